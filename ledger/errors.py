@@ -1,0 +1,58 @@
+"""Typed errors. Each message says what differs (expected vs found) and what to do."""
+
+from __future__ import annotations
+
+
+class LedgerError(Exception):
+    """Base class of every error ledger raises on purpose."""
+
+
+class ConfigMismatch(LedgerError):
+    """The loader's configuration differs from the one the log was written with.
+
+    Attributes:
+        field: the configuration key that differs (``"seed"``, ``"batch_size"``, ...).
+        expected: the value recorded in the log.
+        found: the value of the loader being resumed.
+    """
+
+    def __init__(self, field: str, expected: object, found: object, hint: str = "") -> None:
+        self.field = field
+        self.expected = expected
+        self.found = found
+        msg = (
+            f"{field} differs from the log: the log was written with {field}={expected!r}, "
+            f"this loader has {field}={found!r}. "
+        )
+        msg += hint or (
+            f"Resume with {field}={expected!r}, or start a new run under a new log root."
+        )
+        super().__init__(msg)
+
+
+class WrongRoot(LedgerError):
+    """A checkpoint token belongs to another log root or another run."""
+
+
+class TokenError(LedgerError):
+    """A checkpoint token is malformed or of an unknown version."""
+
+
+class CommitNotFound(LedgerError):
+    """A commit named by a token or a query does not exist in the log."""
+
+
+class CommitConflict(LedgerError):
+    """Another writer created the same commit marker or claimed the same attempt first."""
+
+
+class LogCorrupted(LedgerError):
+    """The log contradicts itself: a checksum, row count or chain link does not match."""
+
+
+class ResumeMismatch(LedgerError):
+    """After replay, what the loader would produce next does not continue the log exactly."""
+
+
+class StorageError(LedgerError):
+    """Reading or writing the log's storage failed; the message says what was left behind."""

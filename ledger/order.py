@@ -1,0 +1,256 @@
+"""Seeded epoch orders, batch plans and per-sample seeds.
+
+Everything here is a pure function of ``(seed, epoch, ...)``, so any part of any epoch's
+order can be recomputed without replaying history.
+
+The epoch order is a keyed pseudo-random permutation of ``[0, N)`` evaluated per
+position, never materialised:
+
+* a Feistel network on ``k = ceil(log2 N)`` bits with alternating half widths
+  ``u = floor(k/2)`` and ``v = k - u``, adding the round function modulo ``2**width``
+  (the round structure of FF1, NIST SP 800-38G, section 5.1), so the network is a
+  bijection of ``[0, 2**k)`` for any round function;
+* *cycle walking* (Black & Rogaway, "Ciphers with Arbitrary Finite Domains",
+  CT-RSA 2002): a value that lands in ``[N, 2**k)`` is encrypted again until it lands
+  in ``[0, N)``, which restricts the bijection to ``[0, N)``. Because ``2**k < 2N``
+  the expected number of walks is below 2;
+* the round function is the SplitMix64 finaliser (Steele, Lea & Flood, "Fast
+  splittable pseudorandom number generators", OOPSLA 2014) of the right half xor a
+  round key derived from ``(seed, epoch, round)``.
+
+Memory is O(batch) and every step is a numpy vector operation over ``uint64``, so the
+order works for N up to 2**62 (N = 10**10 included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+ROUNDS = 6
+
+
+def _mix_scalar(z: int) -> int:
+    """SplitMix64 finaliser on a Python int (64-bit wrap-around)."""
+    z &= _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser on a ``uint64`` array (wraps modulo 2**64, in place on a copy)."""
+    z = z ^ (z >> np.uint64(30))
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def derive_key(*parts: int) -> int:
+    """Hash integers into one 64-bit key: ``mix(... mix(mix(p0) + p1) ...)``.
+
+    Args:
+        parts: any Python ints (taken modulo 2**64).
+
+    Returns:
+        An int in ``[0, 2**64)``.
+    """
+    h = 0x6A09E667F3BCC908  # fractional part of sqrt(2): a fixed, documented start
+    for p in parts:
+        h = _mix_scalar((h + _GOLDEN + (p & _M64)) & _M64)
+    return h
+
+
+@dataclass(frozen=True, slots=True)
+class EpochOrder:
+    """The order of one epoch: a bijection ``position -> sample id`` on ``[0, n)``.
+
+    Args:
+        n: dataset length N (samples), ``0 <= n < 2**62``.
+        seed: the run's seed (any int).
+        epoch: the epoch number (int >= 0).
+        shuffle: ``False`` gives the identity order.
+
+    Raises:
+        ValueError: if ``n`` is negative or too large.
+    """
+
+    n: int
+    seed: int
+    epoch: int
+    shuffle: bool = True
+    _keys: tuple[np.uint64, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.n < (1 << 62):
+            raise ValueError(f"dataset length must be in [0, 2**62), got {self.n}")
+        keys = tuple(
+            np.uint64(derive_key(self.seed, self.epoch, r, 0x0DE7)) for r in range(ROUNDS)
+        )
+        object.__setattr__(self, "_keys", keys)
+
+    @property
+    def _bits(self) -> int:
+        return max(2, (self.n - 1).bit_length())
+
+    def _check(self, values: np.ndarray, what: str) -> np.ndarray:
+        arr = np.asarray(values)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.n):
+            bad = arr[(arr < 0) | (arr >= self.n)][0]
+            raise IndexError(f"{what} {int(bad)} is outside [0, {self.n})")
+        return arr.astype(np.uint64, copy=True)
+
+    def _rounds(self, x: np.ndarray, keys: tuple[np.uint64, ...], inverse: bool) -> np.ndarray:
+        k = self._bits
+        u = k // 2
+        v = k - u
+        a = x >> np.uint64(v)  # u bits
+        b = x & np.uint64((1 << v) - 1)  # v bits
+        if not inverse:
+            # Round i: A (width m) and B swap roles; C = (A + F(B)) mod 2**m.
+            widths = [u, v]
+            for i in range(ROUNDS):
+                m = widths[i % 2]
+                c = (a + _mix(b ^ keys[i])) & np.uint64((1 << m) - 1)
+                a, b = b, c
+        else:
+            widths = [u, v]
+            for i in reversed(range(ROUNDS)):
+                m = widths[i % 2]
+                prev_a = (b - _mix(a ^ keys[i])) & np.uint64((1 << m) - 1)
+                a, b = prev_a, a
+        # With an even number of rounds A has u bits again and B has v bits.
+        return (a << np.uint64(v)) | b
+
+    def _walk(self, x: np.ndarray, inverse: bool) -> np.ndarray:
+        keys = self._keys
+        y = self._rounds(x, keys, inverse)
+        out = y >= np.uint64(self.n)
+        while out.any():
+            idx = np.flatnonzero(out)
+            y[idx] = self._rounds(y[idx], keys, inverse)
+            out[idx] = y[idx] >= np.uint64(self.n)
+        return y
+
+    def sample_ids(self, positions: np.ndarray | int) -> np.ndarray:
+        """Map positions of this epoch to sample ids.
+
+        Args:
+            positions: int array (any shape) of positions in ``[0, n)``.
+
+        Returns:
+            ``int64`` array of the same shape: the sample id at each position.
+
+        Raises:
+            IndexError: if a position is outside ``[0, n)``.
+        """
+        x = self._check(positions, "position")
+        if not self.shuffle or self.n <= 1:
+            return x.astype(np.int64)
+        return self._walk(x, inverse=False).astype(np.int64)
+
+    def positions(self, sample_ids: np.ndarray | int) -> np.ndarray:
+        """Inverse of :meth:`sample_ids`: where each sample id sits in this epoch.
+
+        Args:
+            sample_ids: int array (any shape) of ids in ``[0, n)``.
+
+        Returns:
+            ``int64`` array of the same shape.
+
+        Raises:
+            IndexError: if an id is outside ``[0, n)``.
+        """
+        y = self._check(sample_ids, "sample id")
+        if not self.shuffle or self.n <= 1:
+            return y.astype(np.int64)
+        return self._walk(y, inverse=True).astype(np.int64)
+
+    def range(self, start: int, stop: int) -> np.ndarray:
+        """Sample ids at positions ``[start, stop)`` as an ``int64`` array."""
+        return self.sample_ids(np.arange(start, stop, dtype=np.int64))
+
+
+def sample_seeds(seed: int, epoch: int, sample_ids: np.ndarray) -> np.ndarray:
+    """Per-sample RNG seeds ``f(seed, epoch, sample id)``.
+
+    They do not depend on which worker or rank loads the sample, nor on the batch.
+
+    Args:
+        seed: the run's seed.
+        epoch: the epoch.
+        sample_ids: ``int64`` array of sample ids.
+
+    Returns:
+        ``uint64`` array of seeds, same shape as ``sample_ids``.
+    """
+    key = np.uint64(derive_key(seed, epoch, 0x5EED))
+    return _mix(np.asarray(sample_ids).astype(np.uint64) ^ key)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """How one rank cuts each epoch's global order into batches.
+
+    Ranks take positions in a fixed pattern: global step ``s`` of an epoch covers
+    positions ``[s*W*B, (s+1)*W*B)`` and rank ``r`` takes the ``r``-th slice of ``B``.
+    With ``drop_last=False`` the final step is cut short and split across ranks as
+    evenly as possible in rank order, never padded with duplicates.
+
+    Args:
+        n: dataset length (samples).
+        batch_size: samples per batch per rank (B).
+        drop_last: drop the final incomplete global step instead of serving it short.
+        rank: this rank.
+        world_size: number of ranks (W).
+    """
+
+    n: int
+    batch_size: int
+    drop_last: bool
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+
+    @property
+    def step_size(self) -> int:
+        """Positions per global step (W*B)."""
+        return self.batch_size * self.world_size
+
+    @property
+    def consumed_per_epoch(self) -> int:
+        """Positions all ranks consume in one epoch (the rest are skipped by drop_last)."""
+        if self.drop_last:
+            return (self.n // self.step_size) * self.step_size
+        return self.n
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches this rank receives in one epoch."""
+        full, rest = divmod(self.n, self.step_size)
+        if self.drop_last or rest == 0:
+            return full
+        # The short final step: rank r gets a non-empty slice only if rest > r*chunk.
+        return full + (1 if self.batch_bounds(full)[1] > self.batch_bounds(full)[0] else 0)
+
+    def batch_bounds(self, k: int) -> tuple[int, int]:
+        """Positions ``[start, stop)`` of this rank's ``k``-th batch of an epoch."""
+        full = self.n // self.step_size
+        base = k * self.step_size
+        if k < full:
+            start = base + self.rank * self.batch_size
+            return start, start + self.batch_size
+        rest = self.n - base
+        chunk, extra = divmod(max(rest, 0), self.world_size)
+        start = base + self.rank * chunk + min(self.rank, extra)
+        return start, start + chunk + (1 if self.rank < extra else 0)
