@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -97,12 +98,13 @@ def read_journal(data: bytes) -> tuple[dict[str, object], list[EventChunk]]:
     if not (isinstance(head, list) and len(head) == 5 and head[0] == MAGIC):
         raise ValueError(f"not a ledger journal: header is {head!r}")
     header = {"version": head[1], "attempt": head[2], "rank": head[3], "after_commit": head[4]}
-    chunks = []
+    chunks: list[EventChunk] = []
     try:
         for rec in records:
-            kind, epoch, batch, worker, position, raw = rec  # type: ignore[misc]
+            kind, epoch, batch, worker, position, raw = cast(list[Any], rec)
+            assert isinstance(raw, bytes)
             ids = np.frombuffer(raw, dtype="<i8").astype(np.int64)
             chunks.append(EventChunk(kind, epoch, batch, worker, position, ids))
-    except (ValueError, TypeError, msgpack.UnpackException):
+    except (ValueError, TypeError, AssertionError, msgpack.UnpackException):
         pass  # a torn tail: everything before it is intact
     return header, chunks

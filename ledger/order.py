@@ -89,17 +89,15 @@ class EpochOrder:
     def __post_init__(self) -> None:
         if not 0 <= self.n < (1 << 62):
             raise ValueError(f"dataset length must be in [0, 2**62), got {self.n}")
-        keys = tuple(
-            np.uint64(derive_key(self.seed, self.epoch, r, 0x0DE7)) for r in range(ROUNDS)
-        )
+        keys = tuple(np.uint64(derive_key(self.seed, self.epoch, r, 0x0DE7)) for r in range(ROUNDS))
         object.__setattr__(self, "_keys", keys)
 
     @property
     def _bits(self) -> int:
         return max(2, (self.n - 1).bit_length())
 
-    def _check(self, values: np.ndarray, what: str) -> np.ndarray:
-        arr = np.asarray(values)
+    def _check(self, values: np.ndarray | int, what: str) -> np.ndarray:
+        arr = np.atleast_1d(np.asarray(values))
         if arr.size and (arr.min() < 0 or arr.max() >= self.n):
             bad = arr[(arr < 0) | (arr >= self.n)][0]
             raise IndexError(f"{what} {int(bad)} is outside [0, {self.n})")
@@ -150,9 +148,9 @@ class EpochOrder:
             IndexError: if a position is outside ``[0, n)``.
         """
         x = self._check(positions, "position")
-        if not self.shuffle or self.n <= 1:
-            return x.astype(np.int64)
-        return self._walk(x, inverse=False).astype(np.int64)
+        if self.shuffle and self.n > 1:
+            x = self._walk(x, inverse=False)
+        return x.astype(np.int64).reshape(np.shape(positions))
 
     def positions(self, sample_ids: np.ndarray | int) -> np.ndarray:
         """Inverse of :meth:`sample_ids`: where each sample id sits in this epoch.
@@ -167,9 +165,9 @@ class EpochOrder:
             IndexError: if an id is outside ``[0, n)``.
         """
         y = self._check(sample_ids, "sample id")
-        if not self.shuffle or self.n <= 1:
-            return y.astype(np.int64)
-        return self._walk(y, inverse=True).astype(np.int64)
+        if self.shuffle and self.n > 1:
+            y = self._walk(y, inverse=True)
+        return y.astype(np.int64).reshape(np.shape(sample_ids))
 
     def range(self, start: int, stop: int) -> np.ndarray:
         """Sample ids at positions ``[start, stop)`` as an ``int64`` array."""

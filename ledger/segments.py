@@ -48,8 +48,14 @@ def encode(table: pa.Table) -> bytes:
     return bytes(sink.getvalue().to_pybytes())
 
 
-def read(store: Store, rel: str, *, rows: int | None = None, checksum: str | None = None,
-         columns: list[str] | None = None) -> pa.Table:
+def read(
+    store: Store,
+    rel: str,
+    *,
+    rows: int | None = None,
+    checksum: str | None = None,
+    columns: list[str] | None = None,
+) -> pa.Table:
     """Read a segment, checking its row count and checksum when given.
 
     Args:

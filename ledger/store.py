@@ -100,7 +100,9 @@ class Store:
             else:
                 self.fs.pipe_file(self.full(rel), data)
         except OSError as e:
-            raise StorageError(f"could not write {self.full(rel)}: {e}; nothing was replaced") from e
+            raise StorageError(
+                f"could not write {self.full(rel)}: {e}; nothing was replaced"
+            ) from e
 
     def create_exclusive(self, rel: str, data: bytes) -> None:
         """Create ``rel`` with ``data`` only if it does not exist yet, atomically.

@@ -1,0 +1,198 @@
+"""The audit summary of a log: attempts, per-epoch coverage and duplicates, abandoned work.
+
+Everything is computed with SQL over the views of :mod:`ledger.audit.views`, in two
+scans: one over ``events`` (counts per commit) and one over ``lineage`` (per epoch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+
+from ledger.audit.views import connect
+
+# Distinct sample ids per epoch are counted with one bitmap per epoch
+# (``bitstring_agg``, one bit per id between the smallest and the largest id) instead
+# of COUNT(DISTINCT), which hashes every row: exact, and about 10x faster on 3 x 10**7
+# rows. Above this many bits (512 MiB per epoch) the hash is the cheaper of the two.
+_MAX_BITMAP_BITS = 1 << 32
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptSummary:
+    """One attempt of the run.
+
+    Attributes:
+        attempt: the attempt number.
+        parent: commit the attempt resumed from, ``None`` for a fresh start.
+        commits: commit markers the attempt wrote.
+        events: events (rows, all kinds) in the segments of those commits.
+    """
+
+    attempt: int
+    parent: str | None
+    commits: int
+    events: int
+
+
+@dataclass(frozen=True, slots=True)
+class EpochSummary:
+    """One epoch of the head's lineage.
+
+    Attributes:
+        epoch: the epoch.
+        samples: ``'sample'`` events: samples handed to the training loop (rows).
+        distinct: distinct sample ids among them.
+        coverage: ``distinct / dataset_len``, in ``[0, 1]``.
+        duplicates: ``samples - distinct``: consumptions of an id already seen that epoch.
+        skipped: ``'skip'`` events: positions dropped by ``drop_last``.
+    """
+
+    epoch: int
+    samples: int
+    distinct: int
+    coverage: float
+    duplicates: int
+    skipped: int
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """A place in the run: an epoch and a position in that epoch's global order."""
+
+    epoch: int
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """What a log holds, as of a head commit.
+
+    Attributes:
+        run_id: the run's id (hex).
+        dataset_len: samples in the dataset, from ``run.json``.
+        attempts: every attempt, in order.
+        commits: commit markers in the log, all branches.
+        head: id of the head commit, ``None`` when the log has no commit yet.
+        epochs: per epoch of the head's lineage, in order.
+        abandoned_commits: commits not in the head's lineage.
+        abandoned_samples: ``'sample'`` events of those commits: samples a discarded
+            model saw.
+        last_position: epoch and largest position of a ``'sample'`` event of the last
+            epoch of the lineage; ``None`` when the lineage has none.
+    """
+
+    run_id: str
+    dataset_len: int
+    attempts: tuple[AttemptSummary, ...]
+    commits: int
+    head: str | None
+    epochs: tuple[EpochSummary, ...]
+    abandoned_commits: int
+    abandoned_samples: int
+    last_position: Position | None
+
+
+def summarize(root: str, head: str | None = None) -> Summary:
+    """Summarise the log under ``root`` as of ``head``.
+
+    Args:
+        root: the log root.
+        head: head commit id; ``None`` for the default head (see
+            :func:`ledger.audit.views.connect`).
+
+    Returns:
+        The summary.
+
+    Raises:
+        CommitNotFound: if ``root`` holds no run, or ``head`` names no commit.
+        LogCorrupted: if the commit chain is broken or a committed segment is missing.
+    """
+    con = connect(root, head)
+    try:
+        return _summarize(con)
+    finally:
+        con.close()
+
+
+def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
+    run_id, dataset_len = _one(con, "SELECT run_id, dataset_len FROM run")
+    con.execute(
+        """
+        CREATE TEMP TABLE per_commit AS
+        SELECT c.commit_id, c.attempt, c.in_lineage,
+               coalesce(e.events, 0) AS events, coalesce(e.samples, 0) AS samples
+        FROM commits AS c
+        LEFT JOIN (
+            SELECT commit_id, count(*) AS events,
+                   count(*) FILTER (WHERE kind = 'sample') AS samples
+            FROM events GROUP BY commit_id
+        ) AS e USING (commit_id)
+        """
+    )
+    attempts = con.execute(
+        """
+        SELECT coalesce(a.attempt, c.attempt) AS attempt, any_value(a.parent),
+               count(c.commit_id), coalesce(sum(c.events), 0)
+        FROM attempts AS a FULL OUTER JOIN per_commit AS c ON a.attempt = c.attempt
+        GROUP BY 1 ORDER BY 1
+        """
+    ).fetchall()
+    commits, abandoned_commits, abandoned_samples = _one(
+        con,
+        """
+        SELECT count(*), count(*) FILTER (WHERE NOT in_lineage),
+               coalesce(sum(samples) FILTER (WHERE NOT in_lineage), 0)
+        FROM per_commit
+        """,
+    )
+    head = con.execute("SELECT commit_id FROM commits WHERE is_head").fetchone()
+    epochs = con.execute(
+        f"""
+        SELECT epoch, count(*) FILTER (WHERE kind = 'sample'), {_distinct_ids(con)},
+               count(*) FILTER (WHERE kind = 'skip'),
+               max(position) FILTER (WHERE kind = 'sample')
+        FROM lineage GROUP BY epoch ORDER BY epoch
+        """
+    ).fetchall()
+    last = next(((e, p) for e, *_, p in reversed(epochs) if p is not None), None)
+    return Summary(
+        run_id=run_id,
+        dataset_len=dataset_len,
+        attempts=tuple(AttemptSummary(a, p, n, e) for a, p, n, e in attempts),
+        commits=commits,
+        head=head[0] if head else None,
+        epochs=tuple(
+            EpochSummary(
+                epoch=e,
+                samples=n,
+                distinct=d,
+                coverage=d / dataset_len if dataset_len else 0.0,
+                duplicates=n - d,
+                skipped=s,
+            )
+            for e, n, d, s, _ in epochs
+        ),
+        abandoned_commits=abandoned_commits,
+        abandoned_samples=int(abandoned_samples),
+        last_position=Position(*last) if last else None,
+    )
+
+
+def _distinct_ids(con: duckdb.DuckDBPyConnection) -> str:
+    """SQL aggregate counting the distinct sample ids of ``'sample'`` events per group."""
+    lo, hi = _one(con, "SELECT min(sample_id), max(sample_id) FROM lineage WHERE kind = 'sample'")
+    if lo is None or hi - lo + 1 > _MAX_BITMAP_BITS:
+        return "count(DISTINCT sample_id) FILTER (WHERE kind = 'sample')"
+    # lo and hi are ints read back from DuckDB, so formatting them into SQL is safe.
+    return (
+        f"coalesce(bit_count(bitstring_agg(sample_id, {int(lo)}, {int(hi)})"
+        " FILTER (WHERE kind = 'sample')), 0)"
+    )
+
+
+def _one(con: duckdb.DuckDBPyConnection, sql: str) -> tuple:
+    row = con.execute(sql).fetchone()
+    assert row is not None, "an aggregate without GROUP BY returns one row"
+    return row

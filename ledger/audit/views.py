@@ -1,0 +1,366 @@
+"""DuckDB views over a log root: the audit's one entry point to the data.
+
+:func:`connect` reads the small JSON files of a log (``run.json``, ``attempts/``,
+``commits/``) in Python, resolves the lineage of a head commit from the parent links,
+and opens an in-memory DuckDB connection with these views (DuckDB types):
+
+``events``: every event of every segment named by a commit marker, all branches.
+Parquet files that no marker names (orphans of a crash mid-commit) are not included.
+
+    ============  =========  =====================================================
+    attempt       INTEGER    attempt that consumed the event
+    rank          INTEGER    ``torch.distributed`` rank
+    worker        INTEGER    DataLoader worker, -1 for the main process
+    epoch         INTEGER    epoch of the event
+    batch         BIGINT     per-rank batch index over the lineage (training step)
+    position      BIGINT     index in the epoch's global order
+    sample_id     BIGINT     stable id of the sample
+    kind          VARCHAR    ``'sample'`` (consumed) or ``'skip'`` (dropped by
+                             ``drop_last``; ``batch`` = the batch that closed the epoch)
+    commit_id     VARCHAR    the commit whose marker names the event's segment
+    step          BIGINT     that commit's step
+    ============  =========  =====================================================
+
+``lineage``: the same columns, restricted to the commits in the lineage of the head
+commit: exactly what the model of the head checkpoint saw.
+
+``commits``: one row per commit marker.
+
+    ============  =========  =====================================================
+    commit_id     VARCHAR    ``f"{step:012d}-{attempt:04d}"``
+    step          BIGINT     batches consumed by rank 0 along the lineage
+    attempt       INTEGER    attempt that wrote the commit
+    parent        VARCHAR    previous commit of its chain, NULL for the first
+    world_size    INTEGER    world size of the attempt
+    created_at    TIMESTAMP  marker creation time, UTC
+    segments      INTEGER    segments named by the marker (0: no new events)
+    rows          BIGINT     events in those segments, per the marker (rows)
+    bytes         BIGINT     size of those segments, per the marker (bytes)
+    epoch         INTEGER    rank 0 after the commit: epoch of the next batch
+    epoch_batch   BIGINT     rank 0 after the commit: batches of that epoch consumed
+    batch         BIGINT     rank 0 after the commit: index of the next batch
+    in_lineage    BOOLEAN    the commit is in the lineage of the head
+    is_head       BOOLEAN    the commit is the head
+    ============  =========  =====================================================
+
+``segments``: one row per segment named by a marker: commit_id VARCHAR, step BIGINT,
+attempt INTEGER, rank INTEGER, path VARCHAR (relative to the root), rows BIGINT,
+bytes BIGINT, sha256 VARCHAR.
+
+``states``: one row per rank per marker, the pipeline state after the commit:
+commit_id VARCHAR, step BIGINT, attempt INTEGER, rank INTEGER, epoch INTEGER,
+epoch_batch BIGINT, batch BIGINT.
+
+``attempts``: one row per ``attempts/<A>.json``: attempt INTEGER, parent VARCHAR (the
+commit it resumed from, NULL for a fresh start), world_size INTEGER, created_at TIMESTAMP
+(UTC), host VARCHAR, pid BIGINT.
+
+``run``: one row from ``run.json``: run_id VARCHAR, created_at TIMESTAMP (UTC),
+dataset_len BIGINT, seed BIGINT, shuffle BOOLEAN, batch_size BIGINT, drop_last BOOLEAN,
+world_size INTEGER, "order" VARCHAR.
+
+Confinement: segments are scanned through an Arrow dataset over the exact files the
+markers name, registered before the connection is locked; then
+``enable_external_access=false`` and ``lock_configuration=true`` are set, so user SQL
+cannot read or write any file (``read_csv``, ``COPY ... TO``, ``ATTACH``, ``INSTALL``
+fail) and cannot undo the settings. The only directory DuckDB may still touch is its
+private spill directory (``temp_directory``), created for the connection and removed
+with it. ``read_parquet`` over the file list is not used on purpose: DuckDB's
+``allowed_paths`` would then also let ``COPY ... TO`` overwrite a segment.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import weakref
+from datetime import datetime, timezone
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+
+from ledger.commits import Commit, default_head, lineage, list_commits, read_run
+from ledger.errors import LogCorrupted
+from ledger.schema import EVENT_SCHEMA
+from ledger.store import Store
+
+VIEWS = ("events", "lineage", "commits", "segments", "states", "attempts", "run")
+"""Names of the views :func:`connect` creates."""
+
+EVENTS_SCHEMA = EVENT_SCHEMA.append(pa.field("commit_id", pa.string(), nullable=False)).append(
+    pa.field("step", pa.int64(), nullable=False)
+)
+"""Arrow schema of the ``events`` and ``lineage`` views."""
+
+_TS = pa.timestamp("us")
+
+_COMMITS_SCHEMA = pa.schema(
+    [
+        ("commit_id", pa.string()),
+        ("step", pa.int64()),
+        ("attempt", pa.int32()),
+        ("parent", pa.string()),
+        ("world_size", pa.int32()),
+        ("created_at", _TS),
+        ("segments", pa.int32()),
+        ("rows", pa.int64()),
+        ("bytes", pa.int64()),
+        ("epoch", pa.int32()),
+        ("epoch_batch", pa.int64()),
+        ("batch", pa.int64()),
+        ("in_lineage", pa.bool_()),
+        ("is_head", pa.bool_()),
+    ]
+)
+_SEGMENTS_SCHEMA = pa.schema(
+    [
+        ("commit_id", pa.string()),
+        ("step", pa.int64()),
+        ("attempt", pa.int32()),
+        ("rank", pa.int32()),
+        ("path", pa.string()),
+        ("rows", pa.int64()),
+        ("bytes", pa.int64()),
+        ("sha256", pa.string()),
+    ]
+)
+_STATES_SCHEMA = pa.schema(
+    [
+        ("commit_id", pa.string()),
+        ("step", pa.int64()),
+        ("attempt", pa.int32()),
+        ("rank", pa.int32()),
+        ("epoch", pa.int32()),
+        ("epoch_batch", pa.int64()),
+        ("batch", pa.int64()),
+    ]
+)
+_ATTEMPTS_SCHEMA = pa.schema(
+    [
+        ("attempt", pa.int32()),
+        ("parent", pa.string()),
+        ("world_size", pa.int32()),
+        ("created_at", _TS),
+        ("host", pa.string()),
+        ("pid", pa.int64()),
+    ]
+)
+_RUN_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("created_at", _TS),
+        ("dataset_len", pa.int64()),
+        ("seed", pa.int64()),
+        ("shuffle", pa.bool_()),
+        ("batch_size", pa.int64()),
+        ("drop_last", pa.bool_()),
+        ("world_size", pa.int32()),
+        ("order", pa.string()),
+    ]
+)
+
+
+def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
+    """Open an in-memory, locked-down DuckDB connection with the audit views of a log.
+
+    The views are described in this module's docstring. Only the JSON files are read
+    here; segments are scanned lazily by each query.
+
+    Args:
+        root: the log root (a local directory).
+        head: id of the head commit whose lineage the ``lineage`` view holds
+            (``"000000000042-0001"``); ``None`` for the default head, the newest
+            commit (largest step) of the newest attempt that has commits.
+
+    Returns:
+        The connection. User SQL on it cannot access files or change settings.
+
+    Raises:
+        CommitNotFound: if ``root`` holds no run, or ``head`` names no commit.
+        LogCorrupted: if a parent link names a missing commit, the chain loops, or a
+            segment named by a marker is missing.
+    """
+    store = Store(root)
+    run = read_run(store)
+    commits = list_commits(store)
+    by_id = {c.id: c for c in commits}
+    if head is None:
+        newest = default_head(commits)
+        head = newest.id if newest is not None else None
+    chain = {c.id for c in lineage(store, head, known=by_id)} if head is not None else set()
+    _check_segments_exist(store, commits)
+
+    # A private spill directory: the one place DuckDB may write once access is disabled.
+    scratch = tempfile.mkdtemp(prefix="ledger-audit-")
+    con = duckdb.connect(":memory:", config={"temp_directory": scratch})
+    weakref.finalize(con, shutil.rmtree, scratch, True)
+    con.register("events", _events_dataset(store, commits))
+    con.register("lineage", _events_dataset(store, [c for c in commits if c.id in chain]))
+    con.register("commits", _commits_table(commits, chain, head))
+    con.register("segments", _segments_table(commits))
+    con.register("states", _states_table(commits))
+    con.register("attempts", _attempts_table(store))
+    con.register("run", _run_table(run))
+    for setting in (
+        "autoinstall_known_extensions=false",
+        "autoload_known_extensions=false",
+        "enable_external_access=false",
+        "lock_configuration=true",
+    ):
+        con.execute(f"SET {setting}")
+    return con
+
+
+def _arrow_filesystem(store: Store) -> pafs.FileSystem:
+    """The Arrow filesystem that reads ``store``'s paths (fsspec-backed for a remote root)."""
+    if store.is_local:
+        return pafs.LocalFileSystem()
+    return pafs.PyFileSystem(pafs.FSSpecHandler(store.fs))
+
+
+def _events_dataset(store: Store, commits: list[Commit]) -> ds.Dataset:
+    """One Arrow dataset over the segments of ``commits``, with commit_id and step columns.
+
+    Each file's ``commit_id`` and ``step`` are given as its partition expression, which
+    Arrow materialises as columns and uses to skip files on a filter over them.
+    """
+    paths: list[str] = []
+    partitions: list[ds.Expression] = []
+    for c in commits:
+        for s in c.segments:
+            paths.append(store.full(s.path))
+            partitions.append((ds.field("commit_id") == c.id) & (ds.field("step") == c.step))
+    return ds.FileSystemDataset.from_paths(
+        paths,
+        schema=EVENTS_SCHEMA,
+        format=ds.ParquetFileFormat(),
+        filesystem=_arrow_filesystem(store),
+        partitions=partitions,
+    )
+
+
+def _check_segments_exist(store: Store, commits: list[Commit]) -> None:
+    """Raise LogCorrupted if a segment named by a marker is missing (one listing per folder)."""
+    listed: dict[str, set[str]] = {}
+    for c in commits:
+        for s in c.segments:
+            folder, _, name = s.path.rpartition("/")
+            if folder not in listed:
+                listed[folder] = set(store.ls(folder))
+            if name not in listed[folder]:
+                raise LogCorrupted(
+                    f"segment {store.full(s.path)} named by commit {c.id} is missing: the log "
+                    "lost a committed file; restore it from a backup"
+                )
+
+
+def _timestamp(value: Any, where: str) -> datetime | None:
+    """An ISO 8601 string as a naive UTC datetime (naive input is taken as UTC)."""
+    if value is None:
+        return None
+    try:
+        t = datetime.fromisoformat(str(value))
+    except ValueError as e:
+        raise LogCorrupted(f"{where}: created_at {value!r} is not an ISO 8601 time") from e
+    return t.astimezone(timezone.utc).replace(tzinfo=None) if t.tzinfo else t
+
+
+def _table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def _commits_table(commits: list[Commit], chain: set[str], head: str | None) -> pa.Table:
+    rows = []
+    for c in commits:
+        rank0 = next((s for s in c.states if s.rank == 0), None)
+        rows.append(
+            {
+                "commit_id": c.id,
+                "step": c.step,
+                "attempt": c.attempt,
+                "parent": c.parent,
+                "world_size": c.world_size,
+                "created_at": _timestamp(c.created_at, f"commit {c.id}"),
+                "segments": len(c.segments),
+                "rows": sum(s.rows for s in c.segments),
+                "bytes": sum(s.bytes for s in c.segments),
+                "epoch": rank0.epoch if rank0 else None,
+                "epoch_batch": rank0.epoch_batch if rank0 else None,
+                "batch": rank0.batch if rank0 else None,
+                "in_lineage": c.id in chain,
+                "is_head": c.id == head,
+            }
+        )
+    return _table(rows, _COMMITS_SCHEMA)
+
+
+def _segments_table(commits: list[Commit]) -> pa.Table:
+    rows = [
+        {
+            "commit_id": c.id,
+            "step": c.step,
+            "attempt": c.attempt,
+            "rank": s.rank,
+            "path": s.path,
+            "rows": s.rows,
+            "bytes": s.bytes,
+            "sha256": s.sha256,
+        }
+        for c in commits
+        for s in c.segments
+    ]
+    return _table(rows, _SEGMENTS_SCHEMA)
+
+
+def _states_table(commits: list[Commit]) -> pa.Table:
+    rows = [
+        {
+            "commit_id": c.id,
+            "step": c.step,
+            "attempt": c.attempt,
+            "rank": s.rank,
+            "epoch": s.epoch,
+            "epoch_batch": s.epoch_batch,
+            "batch": s.batch,
+        }
+        for c in commits
+        for s in c.states
+    ]
+    return _table(rows, _STATES_SCHEMA)
+
+
+def _attempts_table(store: Store) -> pa.Table:
+    rows = []
+    for name in store.ls("attempts"):
+        if not name.endswith(".json") or name.startswith(".tmp-"):
+            continue
+        rel = f"attempts/{name}"
+        try:
+            a = json.loads(store.read_bytes(rel))
+            rows.append(
+                {
+                    "attempt": int(a["attempt"]),
+                    "parent": a.get("parent"),
+                    "world_size": a.get("world_size"),
+                    "created_at": _timestamp(a.get("created_at"), store.full(rel)),
+                    "host": a.get("host"),
+                    "pid": a.get("pid"),
+                }
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise LogCorrupted(f"{store.full(rel)} is not a valid attempt record: {e}") from e
+    return _table(sorted(rows, key=lambda r: r["attempt"]), _ATTEMPTS_SCHEMA)
+
+
+def _run_table(run: dict[str, Any]) -> pa.Table:
+    config = run.get("config", {})
+    row = {
+        "run_id": run.get("run_id"),
+        "created_at": _timestamp(run.get("created_at"), "run.json"),
+        **{key: config.get(key) for key in _RUN_SCHEMA.names[2:]},
+    }
+    return _table([row], _RUN_SCHEMA)

@@ -1,0 +1,313 @@
+"""Run metadata, attempts, commit markers, the commit chain and lineage.
+
+A commit marker (``commits/<step>-<attempt>.json``) ties the segments of all ranks to a
+checkpoint step and names its parent commit; markers form a chain. The lineage of a head
+commit is the chain from it back to the first commit: exactly what the model at that
+checkpoint saw. Markers are created exclusively, so a commit id is written once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from ledger.errors import CommitConflict, CommitNotFound, ConfigMismatch, LogCorrupted
+from ledger.schema import SCHEMA_VERSION
+from ledger.store import Store
+
+RUN_FILE = "run.json"
+
+
+def now_iso() -> str:
+    """Current UTC time in ISO 8601."""
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _dump(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=True).encode()
+
+
+def _load(store: Store, rel: str) -> dict[str, Any]:
+    data = json.loads(store.read_bytes(rel))
+    version = data.get("version") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or version != SCHEMA_VERSION:
+        raise LogCorrupted(
+            f"{store.full(rel)} has version {version!r}, this ledger reads version {SCHEMA_VERSION}"
+        )
+    return data
+
+
+# ---------------------------------------------------------------- pipeline state
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineState:
+    """Where one rank's pipeline stands, between two batches.
+
+    Attributes:
+        rank: the rank.
+        epoch: epoch of the next batch.
+        epoch_batch: batches of ``epoch`` this rank has consumed (0 at an epoch start).
+        batch: per-rank index of the next batch over the lineage (= batches consumed).
+    """
+
+    rank: int = 0
+    epoch: int = 0
+    epoch_batch: int = 0
+    batch: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PipelineState:
+        return cls(int(d["rank"]), int(d["epoch"]), int(d["epoch_batch"]), int(d["batch"]))
+
+
+# ---------------------------------------------------------------- run.json
+
+
+# Hints for ConfigMismatch: what the user should do when a key differs.
+_HINTS = {
+    "dataset_len": "The dataset changed since the run started: resume with the original "
+    "dataset, or start a new run under a new log root.",
+    "order": "The epoch-order algorithm of this ledger version differs from the log's: resume "
+    "with the ledger version that wrote the log.",
+}
+
+
+def open_run(store: Store, config: dict[str, Any]) -> str:
+    """Create ``run.json`` for a new run, or check ``config`` against an existing one.
+
+    Args:
+        store: the log root.
+        config: JSON-serialisable configuration (dataset length, seed, batch size, ...).
+
+    Returns:
+        The run id (hex string).
+
+    Raises:
+        ConfigMismatch: if the root already holds a run whose config differs; names the
+            first differing key with both values.
+    """
+    if not store.exists(RUN_FILE):
+        run = {
+            "version": SCHEMA_VERSION,
+            "run_id": os.urandom(8).hex(),
+            "created_at": now_iso(),
+            "config": config,
+        }
+        try:
+            store.create_exclusive(RUN_FILE, _dump(run))
+            return str(run["run_id"])
+        except CommitConflict:
+            pass  # another process created it first: check against theirs
+    existing = _load(store, RUN_FILE)
+    logged: dict[str, Any] = existing["config"]
+    for key in sorted(set(logged) | set(config)):
+        if logged.get(key) != config.get(key):
+            raise ConfigMismatch(key, logged.get(key), config.get(key), _HINTS.get(key, ""))
+    return str(existing["run_id"])
+
+
+def read_run(store: Store) -> dict[str, Any]:
+    """Contents of ``run.json``.
+
+    Raises:
+        CommitNotFound: if the root holds no run.
+    """
+    if not store.exists(RUN_FILE):
+        raise CommitNotFound(f"{store.uri} holds no ledger run (no {RUN_FILE})")
+    return _load(store, RUN_FILE)
+
+
+# ---------------------------------------------------------------- attempts
+
+
+def claim_attempt(store: Store, parent: str | None, world_size: int) -> int:
+    """Claim the next attempt number by creating ``attempts/<A>.json`` exclusively.
+
+    Args:
+        store: the log root.
+        parent: commit the attempt resumes from (``None``: from the start).
+        world_size: the attempt's world size.
+
+    Returns:
+        The attempt number: one more than the largest existing one (0 for a new run).
+    """
+    existing = [int(n.split(".")[0]) for n in store.ls("attempts") if n.endswith(".json")]
+    attempt = max(existing, default=-1) + 1
+    while True:
+        record = {
+            "version": SCHEMA_VERSION,
+            "attempt": attempt,
+            "parent": parent,
+            "world_size": world_size,
+            "created_at": now_iso(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        try:
+            store.create_exclusive(f"attempts/{attempt:04d}.json", _dump(record))
+            return attempt
+        except CommitConflict:
+            attempt += 1  # a concurrent process took it; the next number is ours to try
+
+
+# ---------------------------------------------------------------- commits
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentRef:
+    """A segment named by a commit marker.
+
+    Attributes:
+        rank: rank that wrote it.
+        path: path relative to the log root.
+        rows: number of events (rows).
+        bytes: file size (bytes).
+        sha256: hex SHA-256 of the file.
+    """
+
+    rank: int
+    path: str
+    rows: int
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """A commit marker.
+
+    Attributes:
+        id: ``f"{step:012d}-{attempt:04d}"``.
+        step: batches consumed by rank 0 along the lineage at the commit.
+        attempt: attempt that wrote it.
+        parent: id of the previous commit of the lineage, ``None`` for the first.
+        world_size: world size of the attempt.
+        created_at: ISO 8601 UTC time.
+        segments: segments of the events consumed since ``parent``, one per rank with
+            events (empty when no batch was consumed).
+        states: pipeline state of each rank after the commit.
+    """
+
+    id: str
+    step: int
+    attempt: int
+    parent: str | None
+    world_size: int
+    created_at: str
+    segments: tuple[SegmentRef, ...] = ()
+    states: tuple[PipelineState, ...] = field(default=())
+
+    def state(self, rank: int) -> PipelineState:
+        """State of ``rank`` after this commit.
+
+        Raises:
+            LogCorrupted: if the marker has no state for ``rank``.
+        """
+        for s in self.states:
+            if s.rank == rank:
+                return s
+        raise LogCorrupted(f"commit {self.id} records no state for rank {rank}")
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        d["version"] = SCHEMA_VERSION
+        return _dump(d)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Commit:
+        return cls(
+            id=str(d["id"]),
+            step=int(d["step"]),
+            attempt=int(d["attempt"]),
+            parent=d["parent"],
+            world_size=int(d["world_size"]),
+            created_at=str(d["created_at"]),
+            segments=tuple(SegmentRef(**s) for s in d["segments"]),
+            states=tuple(PipelineState.from_dict(s) for s in d["states"]),
+        )
+
+
+def commit_id(step: int, attempt: int) -> str:
+    """Id of the commit of ``attempt`` at ``step``; ids sort by step, then attempt."""
+    return f"{step:012d}-{attempt:04d}"
+
+
+def marker_path(cid: str) -> str:
+    return f"commits/{cid}.json"
+
+
+def write_commit(store: Store, commit: Commit) -> None:
+    """Create the marker of ``commit`` exclusively; only then are its segments history.
+
+    Raises:
+        CommitConflict: if a marker with this id exists already.
+        StorageError: if the write fails; no marker exists afterwards.
+    """
+    store.create_exclusive(marker_path(commit.id), commit.to_json())
+
+
+def read_commit(store: Store, cid: str) -> Commit:
+    """Read one commit marker.
+
+    Raises:
+        CommitNotFound: if no marker ``cid`` exists under the root.
+    """
+    try:
+        return Commit.from_dict(_load(store, marker_path(cid)))
+    except FileNotFoundError as e:
+        raise CommitNotFound(f"commit {cid} does not exist under {store.uri}") from e
+
+
+def list_commits(store: Store) -> list[Commit]:
+    """Every commit marker under the root, sorted by (attempt, step)."""
+    out = [
+        read_commit(store, name[: -len(".json")])
+        for name in store.ls("commits")
+        if name.endswith(".json") and not name.startswith(".tmp-")
+    ]
+    return sorted(out, key=lambda c: (c.attempt, c.step))
+
+
+def default_head(commits: list[Commit]) -> Commit | None:
+    """The newest commit (largest step) of the newest attempt that has commits."""
+    return max(commits, key=lambda c: (c.attempt, c.step), default=None)
+
+
+def lineage(store: Store, head: str, known: dict[str, Commit] | None = None) -> list[Commit]:
+    """The chain of commits from the first one to ``head`` (inclusive), oldest first.
+
+    Args:
+        store: the log root.
+        head: id of the head commit.
+        known: already-read markers by id (avoids re-reading them).
+
+    Raises:
+        CommitNotFound: if ``head`` does not exist.
+        LogCorrupted: if a parent named by a marker is missing, or the chain loops.
+    """
+    known = dict(known or {})
+    chain: list[Commit] = []
+    seen: set[str] = set()
+    cid: str | None = head
+    while cid is not None:
+        if cid in seen:
+            raise LogCorrupted(f"commit chain loops at {cid}")
+        seen.add(cid)
+        if cid not in known:
+            try:
+                known[cid] = read_commit(store, cid)
+            except CommitNotFound as e:
+                if chain:
+                    raise LogCorrupted(
+                        f"commit {chain[-1].id} names parent {cid}, which does not exist"
+                    ) from e
+                raise
+        chain.append(known[cid])
+        cid = known[cid].parent
+    chain.reverse()
+    return chain

@@ -1,0 +1,171 @@
+"""Ledger: one rank's view of a run's log (append, commit, open, claim an attempt)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from ledger.commits import (
+    Commit,
+    PipelineState,
+    SegmentRef,
+    claim_attempt,
+    commit_id,
+    now_iso,
+    open_run,
+    read_commit,
+    write_commit,
+)
+from ledger.errors import LedgerError
+from ledger.journal import Journal, journal_path
+from ledger.schema import EventChunk, chunks_to_table
+from ledger.segments import encode, segment_path
+from ledger.store import Store, sha256
+
+
+class Ledger:
+    """The log of one rank of a run, under one root URI.
+
+    Events are appended a batch at a time (to memory and to the journal) and become an
+    immutable Parquet segment plus a commit marker at :meth:`commit`.
+
+    Args:
+        root: log root: a local path or an fsspec URI (``s3://bucket/prefix``).
+        rank: this process's rank (0 without distributed).
+        world_size: number of ranks.
+        storage_options: fsspec options (credentials, endpoint) for a remote root.
+        journal_dir: local directory for the journal; default: ``ROOT/journal`` for a
+            local root, a temporary directory otherwise.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        storage_options: dict[str, Any] | None = None,
+        journal_dir: str | None = None,
+    ) -> None:
+        self.store = Store(os.fspath(root), storage_options)
+        self.rank = rank
+        self.world_size = world_size
+        self._journal_dir = journal_dir
+        self.run_id: str | None = None
+        self.attempt: int | None = None
+        self.head: Commit | None = None  # the latest commit of this lineage
+        self._pending: list[EventChunk] = []
+        self._journal: Journal | None = None
+
+    @property
+    def root(self) -> str:
+        """The normalised root URI (absolute path for local roots)."""
+        return self.store.uri
+
+    @property
+    def pending_rows(self) -> int:
+        """Events appended since the last commit (rows)."""
+        return sum(c.rows for c in self._pending)
+
+    def open(self, config: dict[str, Any]) -> str:
+        """Create or check ``run.json``; returns the run id.
+
+        Raises:
+            ConfigMismatch: if the root holds a run with another configuration.
+        """
+        self.run_id = open_run(self.store, config)
+        return self.run_id
+
+    def start(self, parent: Commit | None) -> int:
+        """Start a new attempt resuming from ``parent`` (``None``: from the beginning).
+
+        Discards events appended and not committed by a previous attempt of this object.
+
+        Returns:
+            The new attempt number.
+        """
+        if self.run_id is None:
+            raise LedgerError("Ledger.open(config) must be called before Ledger.start()")
+        self.attempt = claim_attempt(self.store, parent.id if parent else None, self.world_size)
+        self.head = parent
+        self._pending = []
+        if self._journal is not None:
+            self._journal.close()
+        self._journal = Journal(self._journal_file(), self.attempt, self.rank)
+        self._journal.reset(parent.id if parent else None)
+        return self.attempt
+
+    def _journal_file(self) -> str:
+        rel = journal_path(self.attempt or 0, self.rank)
+        if self._journal_dir is not None:
+            return os.path.join(self._journal_dir, self.store.path.strip("/"), rel)
+        local = self.store.local_path(rel)
+        if local is not None:
+            return local
+        return os.path.join(tempfile.gettempdir(), "ledger-journal", self.store.path, rel)
+
+    def append(self, chunk: EventChunk) -> None:
+        """Record one batch's events: in memory until commit, and in the journal."""
+        assert self._journal is not None, "Ledger.start() was not called"
+        self._pending.append(chunk)
+        self._journal.append(chunk)
+
+    def commit(self, state: PipelineState) -> Commit:
+        """Write the pending events as a segment and create the commit marker.
+
+        Idempotent: with no events since the last commit of the same step, returns it.
+
+        Args:
+            state: this rank's pipeline state after the last appended event.
+
+        Returns:
+            The new (or unchanged) head commit.
+
+        Raises:
+            StorageError: if a write fails. The pending events are kept and the next
+                commit writes them; a segment written before the failure is an orphan
+                (no marker names it) and is overwritten by the retry.
+            CommitConflict: if another writer created the same marker first.
+
+        Note:
+            A crash after the segment and before the marker leaves an orphan segment,
+            which replay ignores and audits can report.
+        """
+        if self.attempt is None:
+            raise LedgerError("Ledger.start() must be called before Ledger.commit()")
+        step = state.batch
+        if not self._pending and self.head is not None and self.head.step == step:
+            return self.head
+        segments: tuple[SegmentRef, ...] = ()
+        if self._pending:
+            data = encode(chunks_to_table(self._pending, self.attempt, self.rank))
+            rel = segment_path(self.attempt, self.rank, step)
+            self.store.write_atomic(rel, data)
+            segments = (SegmentRef(self.rank, rel, self.pending_rows, len(data), sha256(data)),)
+        commit = Commit(
+            id=commit_id(step, self.attempt),
+            step=step,
+            attempt=self.attempt,
+            parent=self.head.id if self.head else None,
+            world_size=self.world_size,
+            created_at=now_iso(),
+            segments=segments,
+            states=(state,),
+        )
+        write_commit(self.store, commit)
+        self.head = commit
+        self._pending = []
+        assert self._journal is not None
+        self._journal.reset(commit.id)
+        return commit
+
+    def read_commit(self, cid: str) -> Commit:
+        """Read a commit marker of this root (see :func:`ledger.commits.read_commit`)."""
+        return read_commit(self.store, cid)
+
+    def close(self) -> None:
+        """Close the journal file (pending events stay in it)."""
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None

@@ -1,0 +1,118 @@
+"""Bad input gets a typed error naming both values; nothing committed is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import Augmented
+
+import ledger
+from ledger.errors import (
+    CommitNotFound,
+    ConfigMismatch,
+    LogCorrupted,
+    ResumeMismatch,
+    TokenError,
+    WrongRoot,
+)
+from ledger.testing import take
+
+
+def _token(root, **kw):
+    args = dict(batch_size=4, shuffle=True, seed=0, drop_last=False)
+    args.update(kw)
+    loader = ledger.DataLoader(Augmented(20), log=root, **args)
+    list(take(loader, 3))
+    return loader.state_dict()
+
+
+@pytest.mark.parametrize(
+    "field,kwargs,dataset_len,expected,found",
+    [
+        ("dataset_len", {}, 21, 20, 21),
+        ("seed", {"seed": 5}, 20, 0, 5),
+        ("batch_size", {"batch_size": 5}, 20, 4, 5),
+        ("drop_last", {"drop_last": True}, 20, False, True),
+        ("shuffle", {"shuffle": False}, 20, True, False),
+    ],
+)
+def test_changed_config_is_refused_naming_both_values(
+    root, field, kwargs, dataset_len, expected, found
+):
+    token = _token(root)
+    args = dict(batch_size=4, shuffle=True, seed=0, drop_last=False)
+    args.update(kwargs)
+    resumed = ledger.DataLoader(Augmented(dataset_len), log=root, **args)
+    with pytest.raises(ConfigMismatch) as info:
+        resumed.load_state_dict(token)
+    err = info.value
+    assert (err.field, err.expected, err.found) == (field, expected, found)
+    msg = str(err)
+    assert f"{field}={expected!r}" in msg and f"{field}={found!r}" in msg
+    assert "Resume with" in msg or "resume with" in msg
+
+
+def test_token_from_another_root_is_refused(tmp_path):
+    token = _token(str(tmp_path / "a"))
+    other = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, log=str(tmp_path / "b"))
+    with pytest.raises(WrongRoot, match="pass log="):
+        other.load_state_dict(token)
+
+
+def test_token_of_a_recreated_root_is_refused(root, tmp_path):
+    token = _token(root)
+    os.rename(root, str(tmp_path / "old"))
+    _token(root)  # a new run under the same path
+    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, log=root)
+    with pytest.raises(WrongRoot, match="recreated"):
+        fresh.load_state_dict(token)
+
+
+def test_malformed_tokens(root):
+    loader = ledger.DataLoader(Augmented(20), batch_size=4, log=root)
+    with pytest.raises(TokenError):
+        loader.load_state_dict({"version": 1})
+    token = _token(root, shuffle=False)
+    with pytest.raises(TokenError, match="version 99"):
+        loader.load_state_dict({**token, "version": 99})
+    with pytest.raises(CommitNotFound):
+        loader.load_state_dict({**token, "commit": "000000009999-0000"})
+
+
+def test_altered_segment_is_detected(root):
+    token = _token(root)
+    with open(os.path.join(root, "commits", f"{token['commit']}.json")) as f:
+        marker = json.load(f)
+    seg = os.path.join(root, marker["segments"][0]["path"])
+    with open(seg, "r+b") as f:
+        f.seek(-20, os.SEEK_END)
+        f.write(b"\0" * 4)
+    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, log=root)
+    with pytest.raises(LogCorrupted, match="sha256"):
+        fresh.load_state_dict(token)
+
+
+def test_changed_order_is_caught_by_verification_not_config(root, monkeypatch):
+    token = _token(root)
+    # Same configuration, different order function (e.g. a changed algorithm that kept
+    # its name): replay recomputes the last batch and refuses.
+    monkeypatch.setattr(ledger.order, "ROUNDS", 4)
+    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, log=root)
+    with pytest.raises(ResumeMismatch, match="order puts sample"):
+        fresh.load_state_dict(token)
+
+
+def test_empty_epoch_configuration_is_refused(root):
+    with pytest.raises(ValueError, match="holds no batch"):
+        ledger.DataLoader(Augmented(3), batch_size=4, drop_last=True, log=root)
+
+
+def test_token_loads_with_weights_only(root, tmp_path):
+    token = _token(root)
+    path = tmp_path / "ck.pt"
+    torch.save({"data": token}, path)
+    assert torch.load(path, weights_only=True)["data"] == token
+    assert all(isinstance(v, (int, str)) for v in token.values())

@@ -1,0 +1,195 @@
+"""The log itself: segments, journal, commit chain, attempts, abandoned branches."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import Augmented
+
+import ledger
+from ledger.commits import default_head, lineage, list_commits
+from ledger.journal import read_journal
+from ledger.order import EpochOrder
+from ledger.store import Store
+from ledger.testing import assert_resume_exact, batches_equal, take
+
+
+def _events(root):
+    store = Store(root)
+    rows = []
+    for c in list_commits(store):
+        for s in c.segments:
+            rows.append(pq.read_table(os.path.join(root, s.path)).to_pylist())
+    return [r for rs in rows for r in rs]
+
+
+def test_events_record_exactly_what_was_consumed(root):
+    loader = ledger.DataLoader(
+        Augmented(10), batch_size=4, shuffle=True, seed=2, log=root, drop_last=True
+    )
+    seen = []
+    for _ in range(2):
+        for batch in loader:
+            seen.append(batch["id"].tolist())
+        loader.state_dict()
+    events = _events(root)
+    samples = [e for e in events if e["kind"] == "sample"]
+    assert [e["sample_id"] for e in samples] == [i for b in seen for i in b]
+    assert [e["batch"] for e in samples] == [b for b in range(4) for _ in range(4)]
+    assert [e["position"] for e in samples] == [0, 1, 2, 3, 4, 5, 6, 7] * 2
+    # drop_last: the tail positions 8, 9 of each epoch are logged as skips.
+    skips = [(e["epoch"], e["position"], e["sample_id"]) for e in events if e["kind"] == "skip"]
+    expected = [(ep, p, int(EpochOrder(10, 2, ep).sample_ids(p))) for ep in (0, 1) for p in (8, 9)]
+    assert skips == expected
+    assert {e["attempt"] for e in events} == {0} and {e["worker"] for e in events} == {-1}
+
+
+def test_workers_are_recorded(root):
+    loader = ledger.DataLoader(Augmented(16), batch_size=2, log=root, num_workers=2)
+    list(loader)
+    loader.state_dict()
+    workers = [e["worker"] for e in _events(root) if e["kind"] == "sample"][::2]
+    assert workers == [0, 1] * 4
+
+
+def test_prefetched_batches_are_not_consumed(root):
+    loader = ledger.DataLoader(
+        Augmented(40), batch_size=2, log=root, num_workers=2, prefetch_factor=4
+    )
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    token = loader.state_dict()
+    assert token["step"] == 3
+    assert len(_events(root)) == 6
+
+
+def test_resume_forms_an_abandoned_branch(root):
+    def make():
+        return ledger.DataLoader(Augmented(12), batch_size=3, shuffle=True, seed=4, log=root)
+
+    a = make()
+    it = iter(a)
+    next(it)
+    next(it)
+    token2 = a.state_dict()  # commit at step 2
+    next(it)
+    a.state_dict()  # commit at step 3: will be abandoned
+    b = make()
+    b.load_state_dict(token2)
+    list(take(b, 3))
+    head = b.state_dict()  # step 5 of attempt 1, parent = step 2
+    store = Store(root)
+    commits = list_commits(store)
+    assert [c.id for c in commits] == [
+        "000000000002-0000",
+        "000000000003-0000",
+        "000000000005-0001",
+    ]
+    assert default_head(commits).id == head["commit"]
+    assert [c.id for c in lineage(store, head["commit"])] == [
+        "000000000002-0000",
+        "000000000005-0001",
+    ]
+    attempts = sorted(os.listdir(os.path.join(root, "attempts")))
+    assert attempts == ["0000.json", "0001.json"]
+    with open(os.path.join(root, "attempts", "0001.json")) as f:
+        meta = json.load(f)
+    assert meta["parent"] == token2["commit"]
+
+
+def test_state_dict_is_idempotent_without_new_batches(root):
+    loader = ledger.DataLoader(Augmented(12), batch_size=3, log=root)
+    assert loader.state_dict()["commit"] == ""  # nothing consumed: no I/O commit
+    list(take(loader, 2))
+    t1 = loader.state_dict()
+    t2 = loader.state_dict()
+    assert t1 == t2
+    assert len(os.listdir(os.path.join(root, "commits"))) == 1
+
+
+def test_journal_holds_uncommitted_batches_and_tolerates_a_torn_tail(root):
+    loader = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, log=root)
+    it = iter(loader)
+    next(it)
+    token = loader.state_dict()
+    consumed = [next(it)["id"].tolist() for _ in range(2)]
+    path = os.path.join(root, "journal", "attempt=0", "rank=0.msgpack")
+    with open(path, "rb") as f:
+        data = f.read()
+    header, chunks = read_journal(data)
+    assert header["after_commit"] == token["commit"]
+    assert [c.sample_ids.tolist() for c in chunks] == consumed
+    assert [c.batch for c in chunks] == [1, 2]
+    _, torn = read_journal(data[:-5])  # a crash mid-write
+    assert [c.sample_ids.tolist() for c in torn] == consumed[:1]
+
+
+def test_stateful_with_distributed_checkpoint(root, tmp_path):
+    def make():
+        return ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=9, log=root)
+
+    reference = list(take(make(), 8))
+    loader = make()
+    list(take(loader, 3))
+    dcp.save({"loader": loader}, checkpoint_id=str(tmp_path / "dcp"))
+    resumed = make()
+    dcp.load({"loader": resumed}, checkpoint_id=str(tmp_path / "dcp"))
+    assert resumed.state.batch == 3
+    rest = list(take(resumed, 5))
+    assert all(batches_equal(a, b) for a, b in zip(rest, reference[3:], strict=True))
+
+
+def test_checker_catches_a_loader_that_skips_a_batch(root):
+    class Skipping(ledger.DataLoader):
+        def load_state_dict(self, state_dict):
+            super().load_state_dict(state_dict)
+            list(take(self, 1))  # loses one batch on resume
+
+    def make():
+        return Skipping(Augmented(20), batch_size=4, shuffle=True, log=root)
+
+    with pytest.raises(AssertionError, match="differs from the uninterrupted run"):
+        assert_resume_exact(make, batches=6)
+
+
+def test_hf_style_dataset_with_getitems(root):
+    class Rows:
+        def __len__(self):
+            return 9
+
+        def __getitem__(self, i):
+            return {"text": f"row {i}", "label": i % 2}
+
+        def __getitems__(self, keys):
+            return [self[k] for k in keys]
+
+    loader = ledger.DataLoader(Rows(), batch_size=4, shuffle=True, log=root, per_sample_rng=False)
+    batches = list(loader)
+    texts = [t for b in batches for t in b["text"]]
+    assert sorted(texts) == sorted(f"row {i}" for i in range(9))
+    assert torch.equal(
+        batches[0]["label"], torch.tensor([int(t.split()[1]) % 2 for t in batches[0]["text"]])
+    )
+
+
+def test_bytes_per_event_near_information_content(root):
+    n = 1 << 16
+    loader = ledger.DataLoader(
+        list(range(n)), batch_size=256, shuffle=True, log=root, per_sample_rng=False
+    )
+    list(loader)
+    loader.state_dict()
+    size = sum(
+        os.path.getsize(os.path.join(d, f))
+        for d, _, fs in os.walk(os.path.join(root, "events"))
+        for f in fs
+    )
+    # 16 bits of information per shuffled id; the other columns are near-free.
+    assert size / n < 1.15 * np.log2(n) / 8

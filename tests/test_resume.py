@@ -1,0 +1,98 @@
+"""Exact resume of map-style loaders, checked from every checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import Augmented
+
+import ledger
+from ledger.testing import assert_resume_exact, take
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_resume_exact_from_every_batch(root, num_workers, shuffle, drop_last):
+    # 23 samples, batch 4: 6 batches per epoch (5 with drop_last): 14 batches span 3 epochs.
+    def make():
+        return ledger.DataLoader(
+            Augmented(23),
+            batch_size=4,
+            shuffle=shuffle,
+            seed=7,
+            log=root,
+            num_workers=num_workers,
+            drop_last=drop_last,
+        )
+
+    checked = assert_resume_exact(make, batches=14)
+    assert checked == 14
+
+
+def test_stream_does_not_depend_on_num_workers(tmp_path):
+    streams = []
+    for nw in (0, 1, 3):
+        loader = ledger.DataLoader(
+            Augmented(50),
+            batch_size=8,
+            shuffle=True,
+            seed=3,
+            log=str(tmp_path / f"w{nw}"),
+            num_workers=nw,
+        )
+        streams.append([b for b in take(loader, 10)])
+    for other in streams[1:]:
+        for a, b in zip(streams[0], other, strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_with_other_num_workers(root):
+    def make(nw):
+        return ledger.DataLoader(
+            Augmented(30), batch_size=4, shuffle=True, seed=1, log=root, num_workers=nw
+        )
+
+    first = make(2)
+    reference = list(take(first, 12))
+    first2 = make(2)
+    list(take(first2, 5))
+    token = first2.state_dict()
+    resumed = make(0)
+    resumed.load_state_dict(token)
+    rest = list(take(resumed, 7))
+    for got, want in zip(rest, reference[5:], strict=True):
+        assert torch.equal(got["id"], want["id"]) and torch.equal(got["x"], want["x"])
+
+
+def test_epochs_advance_and_cover_every_sample_once(root):
+    loader = ledger.DataLoader(Augmented(10), batch_size=3, shuffle=True, seed=0, log=root)
+    for epoch in range(3):
+        assert loader.epoch == epoch
+        ids = torch.cat([b["id"] for b in loader]).tolist()
+        assert sorted(ids) == list(range(10))  # short last batch, no padding, no duplicate
+    assert loader.epoch == 3
+
+
+def test_drop_last_false_last_batch_is_short_and_real(root):
+    loader = ledger.DataLoader(Augmented(10), batch_size=4, shuffle=False, log=root)
+    sizes = [len(b["id"]) for b in loader]
+    assert sizes == [4, 4, 2]
+
+
+def test_batches_match_torch_dataloader(root):
+    ds = Augmented(17)
+    ours = ledger.DataLoader(ds, batch_size=5, shuffle=False, log=root, per_sample_rng=False)
+    theirs = torch.utils.data.DataLoader(ds, batch_size=5, shuffle=False)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a["id"], b["id"])
+
+
+def test_loader_leaves_training_rng_alone(root):
+    loader = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, log=root)
+    torch.manual_seed(123)
+    expected = torch.rand(5)
+    torch.manual_seed(123)
+    for _ in loader:
+        pass
+    assert torch.equal(torch.rand(5), expected)

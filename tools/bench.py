@@ -1,0 +1,434 @@
+"""Benchmark ledger.DataLoader against torch's DataLoader, measured side by side in one run.
+
+Three measurements, each printed as a table of ratios (no assertions; wall-clock numbers
+belong in a report, never in a test):
+
+1. Throughput: batches/s over one full epoch of a trivial map-style dataset
+   (``dataset[i] == i``), best of R repeats, with the loaders' repeats interleaved (and
+   their order rotated) so that drift of the machine hits every loader alike. Every loader
+   is constructed, iterated for one epoch and, where it can checkpoint, asked for its
+   ``state_dict()`` once, all inside the timed region. The ledger loaders log to a fresh
+   root each repeat.
+2. Time to first batch (TTFB) after resuming at 50% of an epoch vs a fresh start: median
+   of several interleaved repeats. The resume token comes from a loader that consumed
+   half an epoch and called ``state_dict()``; each resume starts a new attempt.
+3. Bytes per event on disk after one epoch with a commit every K batches, against the
+   information content of a shuffled sample id, ``log2(N)/8`` bytes.
+
+Example:
+    python tools/bench.py            # the full run (about 3-5 minutes on 2 cores)
+    python tools/bench.py --quick    # a smaller run (about 1 minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.data as tud
+from rich.console import Console
+from rich.table import Table
+
+import ledger
+
+try:  # optional: torchdata's StatefulDataLoader is the closest resumable baseline
+    from torchdata.stateful_dataloader import StatefulDataLoader
+except ImportError:  # pragma: no cover - depends on the environment
+    StatefulDataLoader = None
+
+# torchdata 0.11 calls a deprecated torch API on every iter(); the warning is noise here.
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+TORCH = "torch DataLoader"
+LEDGER_NORNG = "ledger (per_sample_rng=False)"
+LEDGER = "ledger (default)"
+STATEFUL = "torchdata StatefulDataLoader"
+
+
+class Trivial:
+    """Map-style dataset whose sample is its index: measures the loader, not the data."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    n: int
+    batch_size: int
+    repeats: int
+    ttfb_repeats: int
+    workers: tuple[int, ...]
+    bytes_n: int
+    commit_every: int
+    seed: int
+
+
+class Roots:
+    """Fresh log roots under one temporary directory, removed at the end."""
+
+    def __init__(self, parent: str | None) -> None:
+        self.base = tempfile.mkdtemp(prefix="ledger-bench-", dir=parent)
+        self._count = 0
+
+    def new(self) -> str:
+        self._count += 1
+        return os.path.join(self.base, f"root-{self._count:05d}")
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- loaders
+
+
+def _torch_loader(cfg: Config, nw: int, _root: str) -> tud.DataLoader:
+    g = torch.Generator()
+    g.manual_seed(cfg.seed)
+    return tud.DataLoader(
+        Trivial(cfg.n), batch_size=cfg.batch_size, shuffle=True, num_workers=nw, generator=g
+    )
+
+
+def _ledger_loader(per_sample_rng: bool) -> Callable[[Config, int, str], Any]:
+    def make(cfg: Config, nw: int, root: str) -> ledger.DataLoader:
+        return ledger.DataLoader(
+            Trivial(cfg.n),
+            batch_size=cfg.batch_size,
+            shuffle=True,
+            seed=cfg.seed,
+            log=root,
+            num_workers=nw,
+            per_sample_rng=per_sample_rng,
+        )
+
+    return make
+
+
+def _stateful_loader(cfg: Config, nw: int, _root: str) -> Any:
+    g = torch.Generator()
+    g.manual_seed(cfg.seed)
+    return StatefulDataLoader(
+        Trivial(cfg.n), batch_size=cfg.batch_size, shuffle=True, num_workers=nw, generator=g
+    )
+
+
+def _factories() -> dict[str, tuple[Callable[[Config, int, str], Any], bool]]:
+    """name -> (factory(cfg, num_workers, root), whether it logs to a root)."""
+    out: dict[str, tuple[Callable[[Config, int, str], Any], bool]] = {
+        TORCH: (_torch_loader, False),
+        LEDGER_NORNG: (_ledger_loader(False), True),
+        LEDGER: (_ledger_loader(True), True),
+    }
+    if StatefulDataLoader is not None:
+        out[STATEFUL] = (_stateful_loader, False)
+    return out
+
+
+# ---------------------------------------------------------------------- 1. throughput
+
+
+def _epoch_seconds(make: Callable[[], Any]) -> tuple[float, int]:
+    """Seconds to construct, iterate one epoch and checkpoint once; and the batch count."""
+    t0 = time.perf_counter()
+    loader = make()
+    batches = 0
+    for _ in loader:
+        batches += 1
+    if hasattr(loader, "state_dict"):
+        loader.state_dict()
+    return time.perf_counter() - t0, batches
+
+
+def throughput(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, int], float]:
+    """Best-of-R batches/s of every loader and worker count, repeats interleaved."""
+    factories = _factories()
+    names = list(factories)
+    best: dict[tuple[str, int], float] = {}
+    for nw in cfg.workers:
+        for r in range(cfg.repeats):
+            # Rotate the order so that no loader always runs first (cold caches, turbo).
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                make, logs = factories[name]
+                root = roots.new()
+                secs, batches = _epoch_seconds(partial(make, cfg, nw, root))
+                rate = batches / secs
+                best[name, nw] = max(best.get((name, nw), 0.0), rate)
+                console.log(f"throughput nw={nw} rep {r + 1}/{cfg.repeats} {name}: {rate:,.0f} b/s")
+                if logs:
+                    shutil.rmtree(root, ignore_errors=True)
+    return best
+
+
+def throughput_table(cfg: Config, best: dict[tuple[str, int], float]) -> Table:
+    t = Table(
+        title=f"1. Throughput: one epoch, N={cfg.n:,}, batch {cfg.batch_size}, shuffle, "
+        f"best of {cfg.repeats}"
+    )
+    for col in (
+        "loader",
+        "workers",
+        "batches/s",
+        "ratio to torch",
+        "extra µs/batch",
+        "extra µs/sample",
+    ):
+        t.add_column(col, justify="left" if col == "loader" else "right")
+    for nw in cfg.workers:
+        base = best[TORCH, nw]
+        for name in _factories():
+            rate = best[name, nw]
+            extra = (1 / rate - 1 / base) * 1e6
+            t.add_row(
+                name,
+                str(nw),
+                f"{rate:,.0f}",
+                f"{rate / base:.3f}",
+                f"{extra:+.1f}",
+                f"{extra / cfg.batch_size:+.3f}",
+            )
+        t.add_section()
+    return t
+
+
+# ---------------------------------------------------------------------- 2. resume TTFB
+
+
+def _first_batch_seconds(make: Callable[[], Any], token: dict[str, Any] | None) -> float:
+    t0 = time.perf_counter()
+    loader = make()
+    if token is not None:
+        loader.load_state_dict(token)
+    it = iter(loader)
+    next(it)
+    secs = time.perf_counter() - t0
+    del it  # shuts the workers down, outside the timed region
+    return secs
+
+
+def _half_epoch_token(make: Callable[[], Any], half: int) -> dict[str, Any]:
+    loader = make()
+    it = iter(loader)
+    for _ in range(half):
+        next(it)
+    token = loader.state_dict()
+    del it
+    return token
+
+
+def resume_ttfb(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, int], tuple]:
+    """(loader, nw) -> (median fresh s, median resume s), repeats interleaved."""
+    half = math.ceil(cfg.n / cfg.batch_size) // 2
+    candidates = {LEDGER: (_ledger_loader(True), True)}
+    if StatefulDataLoader is not None:
+        candidates[STATEFUL] = (_stateful_loader, False)
+    out: dict[tuple[str, int], tuple] = {}
+    for nw in cfg.workers:
+        for name, (make, logs) in candidates.items():
+            root = roots.new()
+            token = _half_epoch_token(partial(make, cfg, nw, root), half)
+            fresh, resume = [], []
+            for _ in range(cfg.ttfb_repeats):
+                fresh_root = roots.new()
+                fresh.append(_first_batch_seconds(partial(make, cfg, nw, fresh_root), None))
+                resume.append(_first_batch_seconds(partial(make, cfg, nw, root), token))
+                if logs:
+                    shutil.rmtree(fresh_root, ignore_errors=True)
+            out[name, nw] = (statistics.median(fresh), statistics.median(resume))
+            console.log(
+                f"ttfb nw={nw} {name}: fresh {out[name, nw][0] * 1e3:.1f} ms, "
+                f"resume {out[name, nw][1] * 1e3:.1f} ms"
+            )
+            if logs:
+                shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def ttfb_table(cfg: Config, res: dict[tuple[str, int], tuple]) -> Table:
+    t = Table(
+        title=f"2. Time to first batch: resume at 50% of the epoch vs fresh, N={cfg.n:,}, "
+        f"median of {cfg.ttfb_repeats}"
+    )
+    for col in ("loader", "workers", "fresh ms", "resume ms", "resume / fresh"):
+        t.add_column(col, justify="left" if col == "loader" else "right")
+    for (name, nw), (fresh, resume) in sorted(res.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        t.add_row(
+            name, str(nw), f"{fresh * 1e3:.1f}", f"{resume * 1e3:.1f}", f"{resume / fresh:.2f}"
+        )
+    return t
+
+
+# ---------------------------------------------------------------------- 3. bytes per event
+
+
+def _tree_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(
+        p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")
+    )
+
+
+def bytes_per_event(cfg: Config, roots: Roots) -> dict[str, Any]:
+    """Sizes of the log after one epoch of ``cfg.bytes_n`` with periodic commits."""
+    root = Path(roots.new())
+    loader = ledger.DataLoader(
+        Trivial(cfg.bytes_n),
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        seed=cfg.seed,
+        log=str(root),
+        per_sample_rng=False,  # the log does not depend on it; faster
+    )
+    for i, _ in enumerate(loader, start=1):
+        if i % cfg.commit_every == 0:
+            loader.state_dict()
+    loader.state_dict()
+    markers = sorted((root / "commits").glob("*.json"))
+    # Count events from the markers: what history holds, not what the loader meant to write.
+    events = sum(s["rows"] for m in markers for s in json.loads(m.read_text())["segments"])
+    sizes = {
+        "events/": _tree_bytes(root / "events"),
+        "commits/": _tree_bytes(root / "commits"),
+        "run.json": _tree_bytes(root / "run.json"),
+        "attempts/": _tree_bytes(root / "attempts"),
+        "journal/": _tree_bytes(root / "journal"),
+    }
+    result = {"events": events, "commits": len(markers), "sizes": sizes}
+    shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+def bytes_table(cfg: Config, res: dict[str, Any]) -> Table:
+    ideal = math.log2(cfg.bytes_n) / 8
+    n = res["events"]
+    s = res["sizes"]
+    t = Table(
+        title=f"3. Bytes per event: one epoch, N={cfg.bytes_n:,}, batch {cfg.batch_size}, "
+        f"commit every {cfg.commit_every} batches ({res['commits']} commits, {n:,} events); "
+        f"log2(N)/8 = {ideal:.3f} B"
+    )
+    for col in ("counted", "bytes", "bytes/event", "ratio to log2(N)/8"):
+        t.add_column(col, justify="left" if col == "counted" else "right")
+    rows = [
+        ("events/", s["events/"]),
+        ("events/ + commits/ + run.json", s["events/"] + s["commits/"] + s["run.json"]),
+        ("all of ROOT (+ attempts/, journal/)", sum(s.values())),
+    ]
+    for label, total in rows:
+        t.add_row(label, f"{total:,}", f"{total / n:.3f}", f"{total / n / ideal:.3f}")
+    return t
+
+
+# ---------------------------------------------------------------------- goals
+
+
+def goals_table(cfg: Config, best: dict, ttfb: dict, nbytes: dict[str, Any]) -> Table:
+    t = Table(title="Goals")
+    for col in ("goal", "measured", "target", "met"):
+        t.add_column(col, justify="left" if col == "goal" else "right")
+
+    def row(goal: str, value: float, target: str, ok: bool) -> None:
+        t.add_row(goal, f"{value:.3f}", target, "yes" if ok else "[bold red]no[/]")
+
+    for nw in cfg.workers:
+        r = best[LEDGER_NORNG, nw] / best[TORCH, nw]
+        row(f"throughput ratio, per_sample_rng=False, workers={nw}", r, ">= 0.99", r >= 0.99)
+    for nw in cfg.workers:
+        r = best[LEDGER, nw] / best[TORCH, nw]
+        row(
+            f"throughput ratio, default (per_sample_rng costs ~8 µs/sample by design), "
+            f"workers={nw}",
+            r,
+            ">= 0.99",
+            r >= 0.99,
+        )
+    for nw in cfg.workers:
+        fresh, resume = ttfb[LEDGER, nw]
+        row(f"resume TTFB ratio, workers={nw}", resume / fresh, "<= 1.1", resume / fresh <= 1.1)
+    ideal = math.log2(cfg.bytes_n) / 8
+    s = nbytes["sizes"]
+    r = s["events/"] / nbytes["events"] / ideal
+    row("bytes/event ratio, events/", r, "<= 1.10", r <= 1.10)
+    r = (s["events/"] + s["commits/"] + s["run.json"]) / nbytes["events"] / ideal
+    row("bytes/event ratio, events/ + commits/ + run.json", r, "<= 1.10", r <= 1.10)
+    return t
+
+
+# ---------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller run: N=200,000, 2 repeats, 3 TTFB repeats (~1 minute)",
+    )
+    p.add_argument("--n", type=int, help="dataset length for 1 and 2 (default 1,000,000)")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--repeats", type=int, help="throughput repeats per loader (default 3)")
+    p.add_argument("--ttfb-repeats", type=int, help="TTFB repeats (default 7)")
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    p.add_argument("--bytes-n", type=int, default=1_000_000, help="dataset length for 3")
+    p.add_argument("--commit-every", type=int, default=1000, help="batches between commits in 3")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tmpdir", help="where the log roots go (default: the system temp dir)")
+    a = p.parse_args(argv)
+    cfg = Config(
+        n=a.n or (200_000 if a.quick else 1_000_000),
+        batch_size=a.batch_size,
+        repeats=a.repeats or (2 if a.quick else 3),
+        ttfb_repeats=a.ttfb_repeats or (3 if a.quick else 7),
+        workers=tuple(a.workers),
+        bytes_n=a.bytes_n,
+        commit_every=a.commit_every,
+        seed=a.seed,
+    )
+    return cfg, a.tmpdir
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, tmpdir = parse_args(argv)
+    console = Console()
+    console.print(
+        f"ledger {ledger.__version__}, torch {torch.__version__}, "
+        f"torchdata StatefulDataLoader: {'yes' if StatefulDataLoader else 'not importable'}, "
+        f"{os.cpu_count()} CPUs"
+    )
+    start = time.perf_counter()
+    roots = Roots(tmpdir)
+    try:
+        nbytes = bytes_per_event(cfg, roots)
+        best = throughput(cfg, roots, console)
+        ttfb = resume_ttfb(cfg, roots, console)
+    finally:
+        roots.cleanup()
+    console.print(throughput_table(cfg, best))
+    console.print(ttfb_table(cfg, ttfb))
+    console.print(bytes_table(cfg, nbytes))
+    console.print(goals_table(cfg, best, ttfb, nbytes))
+    console.print(f"total {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
