@@ -20,10 +20,12 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import re
+import signal
 import sys
 import sysconfig
 from pathlib import Path
@@ -48,9 +50,12 @@ def stdlib_files(max_files: int | None = None) -> list[Path]:
         Sorted absolute paths, ``site-packages`` excluded.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts
-    )
+    files: list[Path] = []
+    for parent, dirs, names in os.walk(root):
+        # Pruned rather than filtered: site-packages holds far more files than the stdlib.
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        files += [Path(parent, n) for n in names if n.endswith(".py")]
+    files.sort()
     return files[:max_files] if max_files is not None else files
 
 
@@ -65,7 +70,8 @@ class StdlibWindows(torch.utils.data.Dataset):
     Args:
         seq_len: tokens (bytes) per sample.
         max_files: corpus limited to the first ``max_files`` files.
-        max_samples: dataset limited to the first ``max_samples`` windows (short epochs).
+        max_samples: keep ``max_samples`` windows spread evenly over the whole corpus
+            (every k-th window), for short epochs that still span every file.
     """
 
     def __init__(
@@ -76,6 +82,7 @@ class StdlibWindows(torch.utils.data.Dataset):
         self.data = np.frombuffer(corpus, dtype=np.uint8)
         n = len(self.data) // (seq_len + 1)
         self.n = n if max_samples is None else min(n, max_samples)
+        self.stride = n // self.n if self.n else 1
 
     def __len__(self) -> int:
         return self.n
@@ -83,7 +90,7 @@ class StdlibWindows(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < self.n:
             raise IndexError(i)
-        start = i * (self.seq_len + 1)
+        start = i * self.stride * (self.seq_len + 1)
         window = torch.from_numpy(self.data[start : start + self.seq_len + 1].astype(np.int64))
         x, y = window[:-1].clone(), window[1:].clone()
         # Augmentation drawn from the global RNG: 0-3 masked input positions.
@@ -104,6 +111,7 @@ class TinyLM(nn.Module):
         )
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(d_model, VOCAB)
+        self.mask: torch.Tensor
         mask = nn.Transformer.generate_square_subsequent_mask(seq_len)
         self.register_buffer("mask", mask, persistent=False)
 
@@ -141,8 +149,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     ap.add_argument("--max-files", type=int, default=None, help="use the first N stdlib files")
-    ap.add_argument("--max-samples", type=int, default=None, help="use the first N windows")
+    ap.add_argument(
+        "--max-samples", type=int, default=None, help="use N windows spread over the corpus"
+    )
     ap.add_argument("--stream-out", type=Path, default=None, help="append per-step JSON lines")
+    ap.add_argument(
+        "--die-after-commit",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="testing aid: SIGKILL this process after the log commit of STEP, before its "
+        "checkpoint is written",
+    )
     return ap.parse_args(argv)
 
 
@@ -181,43 +199,44 @@ def main(argv: list[str] | None = None) -> int:
         loader.load_state_dict(ck["data"])
         print(f"resumed from {path.name} at step {step}", flush=True)
 
-    stream = open(args.stream_out, "a") if args.stream_out else None  # noqa: SIM115
     model.train()
-    while step < args.steps:
-        for batch in loader:
-            x, y = batch["input"], batch["target"]
-            if stream is not None:
-                digest = hashlib.sha256(x.contiguous().numpy().tobytes()).hexdigest()
-                line = {"step": step, "epoch": loader.epoch, "digest": digest}
-                stream.write(json.dumps(line) + "\n")
-                stream.flush()
+    with contextlib.ExitStack() as stack:
+        stream = stack.enter_context(open(args.stream_out, "a")) if args.stream_out else None
+        while step < args.steps:
+            for batch in loader:
+                x, y = batch["input"], batch["target"]
+                if stream is not None:
+                    digest = hashlib.sha256(x.contiguous().numpy().tobytes()).hexdigest()
+                    line = {"step": step, "epoch": loader.epoch, "digest": digest}
+                    stream.write(json.dumps(line) + "\n")
+                    stream.flush()
 
-            logits = model(x)
-            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
-            step += 1
+                logits = model(x)
+                loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                print(f"step {step} loss {loss.item():.4f}", flush=True)
+                step += 1
 
-            if step % args.ckpt_every == 0 or step == args.steps:
-                # Commit the log first: a checkpoint must never name a commit that does
-                # not exist. A crash in between leaves a commit without a checkpoint,
-                # which the next attempt treats as an abandoned branch.
-                token = loader.state_dict()
-                ck = {
-                    "model": model.state_dict(),
-                    "optimizer": opt.state_dict(),
-                    "step": step,
-                    "rng": torch.get_rng_state(),
-                    "data": token,
-                }
-                atomic_save(ck, ckpt_dir / f"step-{step:08d}.pt")
-            if step >= args.steps:
-                break
+                if step % args.ckpt_every == 0 or step == args.steps:
+                    # Commit the log first: a checkpoint must never name a commit that does
+                    # not exist. A crash in between leaves a commit without a checkpoint,
+                    # which the next attempt treats as an abandoned branch.
+                    token = loader.state_dict()
+                    if step == args.die_after_commit:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    ck = {
+                        "model": model.state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "step": step,
+                        "rng": torch.get_rng_state(),
+                        "data": token,
+                    }
+                    atomic_save(ck, ckpt_dir / f"step-{step:08d}.pt")
+                if step >= args.steps:
+                    break
 
-    if stream is not None:
-        stream.close()
     atomic_save(model.state_dict(), args.root / "final.pt")
     print(f"done: {step} steps, final weights in {args.root / 'final.pt'}", flush=True)
     return 0

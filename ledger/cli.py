@@ -107,7 +107,7 @@ def audit(root: str, sql: str | None, head: str | None, fmt: str) -> None:
         _print_summary(summarize(root, head), fmt)
         return
     if sql == "-":
-        sql = click.get_text_stream("stdin").read()
+        sql = sys.stdin.read()
     con = connect(root, head)
     try:
         cursor = con.execute(sql)
@@ -143,16 +143,16 @@ def _console(out: Any) -> Console:
 
 def _print_rows(columns: Sequence[str], rows: Iterator[tuple[Any, ...]], fmt: str) -> None:
     """Write ``rows`` to stdout in ``fmt``; csv and ndjson stream, table and json collect."""
-    out = click.get_text_stream("stdout")
+    out = sys.stdout
     if fmt == "csv":
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(columns)
         writer.writerows(rows)
     elif fmt == "ndjson":
         for row in rows:
-            out.write(json.dumps(dict(zip(columns, row)), default=_jsonable) + "\n")
+            out.write(json.dumps(dict(zip(columns, row, strict=True)), default=_jsonable) + "\n")
     elif fmt == "json":
-        objects = [dict(zip(columns, row)) for row in rows]
+        objects = [dict(zip(columns, row, strict=True)) for row in rows]
         out.write(json.dumps(objects, indent=2, default=_jsonable) + "\n")
     else:
         table = Table(*columns)
@@ -171,15 +171,23 @@ def _print_summary(s: Summary, fmt: str) -> None:
             "the summary is several tables and has no csv form: use --format json, "
             "or --sql with --format csv"
         )
-    console = _console(click.get_text_stream("stdout"))
+    console = _console(sys.stdout)
     last = s.last_position
     console.print(f"run {s.run_id}, dataset of {s.dataset_len} samples", soft_wrap=True)
     console.print(
         f"{len(s.attempts)} attempts, {s.commits} commits, head {s.head or '-'}", soft_wrap=True
     )
-    attempts = Table("attempt", "parent", "commits", "events", title="Attempts")
+    attempts = Table(
+        "attempt", "parent", "commits", "events", "uncommitted batches", title="Attempts"
+    )
     for a in s.attempts:
-        attempts.add_row(str(a.attempt), a.parent or "-", str(a.commits), str(a.events))
+        attempts.add_row(
+            str(a.attempt),
+            a.parent or "-",
+            str(a.commits),
+            str(a.events),
+            str(a.uncommitted_batches),
+        )
     console.print(attempts)
     epochs = Table(
         "epoch", "samples", "distinct", "coverage", "duplicates", "skipped",

@@ -32,7 +32,11 @@ def _dump(obj: dict[str, Any]) -> bytes:
 
 
 def _load(store: Store, rel: str) -> dict[str, Any]:
-    data = json.loads(store.read_bytes(rel))
+    raw = store.read_bytes(rel)
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise LogCorrupted(f"{store.full(rel)} is not valid JSON: {e}") from e
     version = data.get("version") if isinstance(data, dict) else None
     if not isinstance(data, dict) or version != SCHEMA_VERSION:
         raise LogCorrupted(
@@ -258,9 +262,13 @@ def read_commit(store: Store, cid: str) -> Commit:
         CommitNotFound: if no marker ``cid`` exists under the root.
     """
     try:
-        return Commit.from_dict(_load(store, marker_path(cid)))
+        data = _load(store, marker_path(cid))
     except FileNotFoundError as e:
         raise CommitNotFound(f"commit {cid} does not exist under {store.uri}") from e
+    try:
+        return Commit.from_dict(data)
+    except (KeyError, TypeError, ValueError) as e:
+        raise LogCorrupted(f"commit marker {cid} lacks or mangles a field: {e!r}") from e
 
 
 def list_commits(store: Store) -> list[Commit]:

@@ -23,7 +23,7 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
-from ledger.schema import SCHEMA_VERSION, EventChunk
+from ledger.schema import SAMPLE, SCHEMA_VERSION, EventChunk
 
 MAGIC = "ledger-journal"
 
@@ -108,3 +108,30 @@ def read_journal(data: bytes) -> tuple[dict[str, object], list[EventChunk]]:
     except (ValueError, TypeError, AssertionError, msgpack.UnpackException):
         pass  # a torn tail: everything before it is intact
     return header, chunks
+
+
+def uncommitted(
+    journals: dict[tuple[int, int], bytes], committed: dict[tuple[int, int], int]
+) -> dict[tuple[int, int], list[EventChunk]]:
+    """The journaled batches that no commit covers: what reached a training loop and was
+    never committed (a crashed attempt's lost work, or a live attempt's work in flight).
+
+    Args:
+        journals: journal bytes by ``(attempt, rank)``.
+        committed: by ``(attempt, rank)``, the next batch index after that rank's newest
+            commit in that attempt (batches below it are committed; a crash between the
+            marker and the journal reset leaves such batches in the journal).
+
+    Returns:
+        By ``(attempt, rank)``: the uncommitted ``sample`` chunks, in journal order.
+        Unreadable journals are skipped.
+    """
+    out: dict[tuple[int, int], list[EventChunk]] = {}
+    for key, data in journals.items():
+        try:
+            _, chunks = read_journal(data)
+        except ValueError:
+            continue
+        floor = committed.get(key, -1)
+        out[key] = [c for c in chunks if c.kind == SAMPLE and c.batch >= floor]
+    return out

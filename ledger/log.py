@@ -20,7 +20,7 @@ from ledger.commits import (
 from ledger.errors import LedgerError
 from ledger.journal import Journal, journal_path
 from ledger.schema import EventChunk, chunks_to_table
-from ledger.segments import encode, segment_path
+from ledger.segments import SegmentBuilder, encode, segment_path
 from ledger.store import Store, sha256
 
 
@@ -53,9 +53,11 @@ class Ledger:
         self.world_size = world_size
         self._journal_dir = journal_dir
         self.run_id: str | None = None
+        self._config: dict[str, Any] = {}
         self.attempt: int | None = None
         self.head: Commit | None = None  # the latest commit of this lineage
         self._pending: list[EventChunk] = []
+        self._builder: SegmentBuilder | None = None
         self._journal: Journal | None = None
 
     @property
@@ -74,7 +76,9 @@ class Ledger:
         Raises:
             ConfigMismatch: if the root holds a run with another configuration.
         """
-        self.run_id = open_run(self.store, config)
+        if self.run_id is None or config != self._config:
+            self.run_id = open_run(self.store, config)
+            self._config = dict(config)
         return self.run_id
 
     def start(self, parent: Commit | None) -> int:
@@ -90,6 +94,7 @@ class Ledger:
         self.attempt = claim_attempt(self.store, parent.id if parent else None, self.world_size)
         self.head = parent
         self._pending = []
+        self._builder = SegmentBuilder(self.attempt, self.rank)
         if self._journal is not None:
             self._journal.close()
         self._journal = Journal(self._journal_file(), self.attempt, self.rank)
@@ -109,6 +114,8 @@ class Ledger:
         """Record one batch's events: in memory until commit, and in the journal."""
         assert self._journal is not None, "Ledger.start() was not called"
         self._pending.append(chunk)
+        if self._builder is not None:
+            self._builder.add(chunk)
         self._journal.append(chunk)
 
     def commit(self, state: PipelineState) -> Commit:
@@ -124,8 +131,8 @@ class Ledger:
 
         Raises:
             StorageError: if a write fails. The pending events are kept and the next
-                commit writes them; a segment written before the failure is an orphan
-                (no marker names it) and is overwritten by the retry.
+                commit writes them; a segment written before the failure stays as an
+                orphan (no marker names it; a retry at the same step overwrites it).
             CommitConflict: if another writer created the same marker first.
 
         Note:
@@ -139,7 +146,13 @@ class Ledger:
             return self.head
         segments: tuple[SegmentRef, ...] = ()
         if self._pending:
-            data = encode(chunks_to_table(self._pending, self.attempt, self.rank))
+            builder, self._builder = self._builder, None
+            try:
+                data = builder.finish() if builder is not None else b""
+            except Exception:  # the builder is an optimisation: re-encode from the chunks
+                data = b""
+            if not data:
+                data = encode(chunks_to_table(self._pending, self.attempt, self.rank))
             rel = segment_path(self.attempt, self.rank, step)
             self.store.write_atomic(rel, data)
             segments = (SegmentRef(self.rank, rel, self.pending_rows, len(data), sha256(data)),)
@@ -156,6 +169,7 @@ class Ledger:
         write_commit(self.store, commit)
         self.head = commit
         self._pending = []
+        self._builder = SegmentBuilder(self.attempt, self.rank)
         assert self._journal is not None
         self._journal.reset(commit.id)
         return commit

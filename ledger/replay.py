@@ -16,14 +16,43 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from ledger import segments
-from ledger.commits import Commit, PipelineState, lineage
+from ledger.commits import Commit, PipelineState, SegmentRef, lineage
 from ledger.errors import LogCorrupted, ResumeMismatch
 from ledger.order import BatchPlan, EpochOrder
 from ledger.schema import SAMPLE
 from ledger.store import Store
+
+
+def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
+    """The ``sample`` events of the last batch of a segment, reading only its tail.
+
+    Batch indexes never decrease within a segment, so row groups are read from the end
+    until one starts with an earlier batch.
+    """
+    pf = segments.open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256)
+    columns = ["epoch", "batch", "position", "sample_id", "kind"]
+    groups: list[pa.Table] = []
+    last = None
+    for i in reversed(range(pf.num_row_groups)):
+        group = pf.read_row_group(i, columns=columns)
+        if group.num_rows == 0:
+            continue
+        groups.insert(0, group)
+        last = group["batch"][-1].as_py() if last is None else last
+        if group["batch"][0].as_py() < last:
+            break
+    if last is None:
+        raise LogCorrupted(f"segment {ref.path} holds no events")
+    table = pa.concat_tables(groups)
+    table = table.filter(pc.equal(table["batch"], last))
+    table = table.filter(pc.equal(table["kind"].cast(pa.string()), SAMPLE))
+    if table.num_rows == 0:
+        raise LogCorrupted(f"segment {ref.path} ends with batch {last} but holds no sample of it")
+    return table
 
 
 def advance(state: PipelineState, plan: BatchPlan) -> PipelineState:
@@ -73,23 +102,12 @@ def replay(
             )
         return folded
 
-    table = segments.read(
-        store,
-        ref.path,
-        rows=ref.rows,
-        checksum=ref.sha256,
-        columns=["epoch", "batch", "position", "sample_id", "kind"],
-    )
-    table = table.filter(pc.equal(table["kind"], SAMPLE))
-    batch_col = table["batch"].to_numpy()
-    if batch_col.size == 0:
-        raise LogCorrupted(f"segment {ref.path} holds no consumed samples")
-    last = batch_col.max()
-    rows = table.filter(pc.equal(table["batch"], last))
+    rows = _last_batch(store, ref)
     epoch = int(rows["epoch"][0].as_py())
     positions = rows["position"].to_numpy()
     ids = rows["sample_id"].to_numpy()
 
+    last = int(rows["batch"][0].as_py())
     k = int(positions[0]) // plan.step_size
     bounds = plan.batch_bounds(k)
     if bounds != (int(positions[0]), int(positions[-1]) + 1) or not np.array_equal(

@@ -23,6 +23,7 @@ SAMPLE = "sample"
 """A sample in a batch handed to the training loop."""
 SKIP = "skip"
 """A position of the epoch that no batch will serve (the tail dropped by ``drop_last``)."""
+KINDS = [SAMPLE, SKIP]
 
 EVENT_SCHEMA = pa.schema(
     [
@@ -33,7 +34,7 @@ EVENT_SCHEMA = pa.schema(
         pa.field("batch", pa.int64(), nullable=False),
         pa.field("position", pa.int64(), nullable=False),
         pa.field("sample_id", pa.int64(), nullable=False),
-        pa.field("kind", pa.string(), nullable=False),
+        pa.field("kind", pa.dictionary(pa.int8(), pa.string()), nullable=False),
     ],
     metadata={b"ledger.schema_version": str(SCHEMA_VERSION).encode()},
 )
@@ -48,7 +49,7 @@ EVENT_SCHEMA = pa.schema(
   the epoch.
 - ``position`` int64: index in the epoch's global order.
 - ``sample_id`` int64: stable id of the sample (map-style: the dataset index).
-- ``kind`` string: ``'sample'`` or ``'skip'``.
+- ``kind`` string (dictionary-encoded): ``'sample'`` or ``'skip'``.
 """
 
 
@@ -104,9 +105,8 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
         else np.zeros(0, np.int64)
     )
     kinds = pa.DictionaryArray.from_arrays(
-        pa.array(rep([0 if c.kind == SAMPLE else 1 for c in chunks], np.int8)),
-        pa.array([SAMPLE, SKIP]),
-    ).cast(pa.string())
+        pa.array(rep([KINDS.index(c.kind) for c in chunks], np.int8)), pa.array(KINDS)
+    )
     return pa.table(
         {
             "attempt": pa.array(np.full(total, attempt, np.int32)),

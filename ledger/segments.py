@@ -8,12 +8,17 @@ ids to ~log2(2N) bits) then zstd; ``kind`` is dictionary-encoded. Measured by
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ledger.errors import LogCorrupted
-from ledger.schema import EVENT_SCHEMA
+from ledger.schema import EVENT_SCHEMA, EventChunk, chunks_to_table
 from ledger.store import Store, sha256
+
+ROW_GROUP_ROWS = 1 << 16
+"""Rows per Parquet row group: the unit encoded in the background, and read on resume."""
 
 _DELTA = {
     name: "DELTA_BINARY_PACKED"
@@ -26,47 +31,99 @@ def segment_path(attempt: int, rank: int, step: int) -> str:
     return f"events/attempt={attempt}/rank={rank}/seg-{step:012d}.parquet"
 
 
+def _writer(sink: pa.BufferOutputStream) -> pq.ParquetWriter:
+    return pq.ParquetWriter(
+        sink,
+        EVENT_SCHEMA,
+        compression="zstd",
+        use_dictionary=["kind"],
+        column_encoding=_DELTA,
+        write_statistics=True,
+    )
+
+
 def encode(table: pa.Table) -> bytes:
     """Serialise an event table to Parquet bytes with the log's encodings.
 
     Args:
-        table: rows with :data:`ledger.schema.EVENT_SCHEMA`.
+        table: rows with :data:`ledger.schema.EVENT_SCHEMA` (``kind`` may be plain strings).
 
     Returns:
         The Parquet file's bytes.
     """
     sink = pa.BufferOutputStream()
-    pq.write_table(
-        table.cast(EVENT_SCHEMA),
-        sink,
-        compression="zstd",
-        use_dictionary=["kind"],
-        column_encoding=_DELTA,
-        row_group_size=1 << 20,
-        write_statistics=True,
-    )
+    with _writer(sink) as writer:
+        writer.write_table(table.cast(EVENT_SCHEMA), row_group_size=ROW_GROUP_ROWS)
     return bytes(sink.getvalue().to_pybytes())
 
 
-def read(
-    store: Store,
-    rel: str,
-    *,
-    rows: int | None = None,
-    checksum: str | None = None,
-    columns: list[str] | None = None,
-) -> pa.Table:
-    """Read a segment, checking its row count and checksum when given.
+class SegmentBuilder:
+    """Encodes a segment while events arrive, so a commit only encodes the tail.
+
+    Every :data:`ROW_GROUP_ROWS` appended rows become one row group, encoded on a
+    background thread (Arrow's Parquet writer releases the GIL), so on a multi-core
+    machine the encoding overlaps with training. :meth:`finish` encodes what is left and
+    returns the file's bytes. The builder is an optimisation only: the caller keeps the
+    chunks until the commit succeeds, and can always re-encode them with :func:`encode`.
+
+    Args:
+        attempt: attempt written in every row.
+        rank: rank written in every row.
+    """
+
+    def __init__(self, attempt: int, rank: int) -> None:
+        self.attempt = attempt
+        self.rank = rank
+        self._sink = pa.BufferOutputStream()
+        self._writer = _writer(self._sink)
+        self._chunks: list[EventChunk] = []
+        self._rows = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ledger-segment")
+        self._pending: list[Future[None]] = []
+
+    def add(self, chunk: EventChunk) -> None:
+        """Add one batch's events (cheap: a list append; encoding happens per row group)."""
+        self._chunks.append(chunk)
+        self._rows += chunk.rows
+        if self._rows >= ROW_GROUP_ROWS:
+            chunks, self._chunks, self._rows = self._chunks, [], 0
+            self._pending.append(self._pool.submit(self._write, chunks))
+
+    def _write(self, chunks: list[EventChunk]) -> None:
+        table = chunks_to_table(chunks, self.attempt, self.rank)
+        self._writer.write_table(table, row_group_size=max(table.num_rows, 1))
+
+    def finish(self) -> bytes:
+        """Encode the remaining events and return the whole Parquet file.
+
+        Raises:
+            Exception: whatever the background encoding raised; the builder is then
+                unusable and the caller re-encodes its chunks with :func:`encode`.
+        """
+        try:
+            for future in self._pending:
+                future.result()
+            if self._chunks:
+                self._write(self._chunks)
+            self._writer.close()
+            return bytes(self._sink.getvalue().to_pybytes())
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def open_segment(
+    store: Store, rel: str, *, rows: int | None = None, checksum: str | None = None
+) -> pq.ParquetFile:
+    """Open a segment for reading, checking its checksum and row count when given.
 
     Args:
         store: the log's store.
         rel: relative path of the segment.
         rows: expected number of rows (from the commit marker), or ``None``.
         checksum: expected hex SHA-256 of the file, or ``None`` to skip the check.
-        columns: subset of columns to read, or ``None`` for all.
 
     Returns:
-        The events, in the order they were written.
+        The Parquet file, read from memory (row groups can be read one by one).
 
     Raises:
         LogCorrupted: if the file is missing, unreadable, or differs from the marker.
@@ -81,9 +138,29 @@ def read(
             "the file was altered after commit"
         )
     try:
-        table = pq.read_table(pa.BufferReader(data), columns=columns)
+        pf = pq.ParquetFile(pa.BufferReader(data))
     except (pa.ArrowException, OSError) as e:
         raise LogCorrupted(f"segment {rel} is not a readable Parquet file: {e}") from e
-    if rows is not None and table.num_rows != rows:
-        raise LogCorrupted(f"segment {rel} has {table.num_rows} rows, its marker says {rows}")
-    return table
+    if rows is not None and pf.metadata.num_rows != rows:
+        raise LogCorrupted(f"segment {rel} has {pf.metadata.num_rows} rows, its marker says {rows}")
+    return pf
+
+
+def read(
+    store: Store,
+    rel: str,
+    *,
+    rows: int | None = None,
+    checksum: str | None = None,
+    columns: list[str] | None = None,
+) -> pa.Table:
+    """Read a whole segment (see :func:`open_segment` for the checks and errors).
+
+    Returns:
+        The events, in the order they were written.
+    """
+    pf = open_segment(store, rel, rows=rows, checksum=checksum)
+    try:
+        return pf.read(columns=columns)
+    except (pa.ArrowException, OSError) as e:
+        raise LogCorrupted(f"segment {rel} is not a readable Parquet file: {e}") from e

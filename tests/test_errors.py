@@ -116,3 +116,20 @@ def test_token_loads_with_weights_only(root, tmp_path):
     torch.save({"data": token}, path)
     assert torch.load(path, weights_only=True)["data"] == token
     assert all(isinstance(v, (int, str)) for v in token.values())
+
+
+def test_mangled_marker_is_a_typed_error(root):
+    token = _token(root)
+    path = os.path.join(root, "commits", f"{token['commit']}.json")
+    with open(path) as f:
+        marker = json.load(f)
+    del marker["states"]
+    with open(path, "w") as f:
+        json.dump(marker, f)
+    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, log=root)
+    with pytest.raises(LogCorrupted, match="states"):
+        fresh.load_state_dict(token)
+    with open(path, "w") as f:
+        f.write("{not json")
+    with pytest.raises(LogCorrupted, match="not valid JSON"):
+        fresh.load_state_dict(token)

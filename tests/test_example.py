@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,10 @@ assert _spec is not None and _spec.loader is not None
 demo = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(demo)
 
-STEPS = 40
+STEPS = 56
 BATCH = 4
 CKPT_EVERY = 8
-KILL_AT = 21
+KILL_AT = 21  # the killed run's last checkpoint is step 16
 
 
 def _train_args(num_workers: int, samples: int) -> list[str]:
@@ -41,33 +42,47 @@ def _train_args(num_workers: int, samples: int) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize(
-    "samples",
+    ("crash_mode", "num_workers", "samples"),
     [
-        # 7 batches per epoch, the last one short: checkpoints fall mid-epoch.
-        26,
-        # 8 batches per epoch: every checkpoint falls on an epoch boundary.
-        32,
+        # 8 batches per epoch: the resume falls on an epoch boundary.
+        ("kill", 0, 32),
+        # 7 batches per epoch, the last one short: the resume falls mid-epoch, with
+        # batches prefetched by the workers that the killed run never consumed.
+        ("kill", 2, 26),
+        # Dies between the log commit of step 24 and its checkpoint: the resume from
+        # step 16 must leave commit 24 of attempt 0 as an abandoned branch.
+        ("after-commit", 2, 26),
     ],
 )
-def test_sigkill_and_resume_is_exact(tmp_path: Path, num_workers: int, samples: int) -> None:
+def test_sigkill_and_resume_is_exact(
+    tmp_path: Path, crash_mode: str, num_workers: int, samples: int
+) -> None:
     args = _train_args(num_workers, samples)
     clean, crash = tmp_path / "clean", tmp_path / "crash"
 
-    rc, _ = demo.run_train(clean, args)
-    assert rc == 0
-    rc, _ = demo.run_train(crash, args, kill_at=KILL_AT)
+    # The reference run goes alongside the one to kill: same results, half the wait.
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(demo.run_train, clean, args)
+        if crash_mode == "kill":
+            rc, _ = demo.run_train(crash, args, kill_at=KILL_AT)
+        else:
+            rc, _ = demo.run_train(crash, [*args, "--die-after-commit", str(3 * CKPT_EVERY)])
+        assert reference.result()[0] == 0
     assert rc == -signal.SIGKILL
     killed = demo.effective_stream(crash / "stream.jsonl")
-    # Killed after the first checkpoint and before the end.
-    assert CKPT_EVERY < len(killed) < STEPS
+    assert KILL_AT < len(killed) < STEPS
 
     rc, lines = demo.run_train(crash, args, resume=True)
     assert rc == 0
     resumed_from = next(int(m.group(1)) for ln in lines if (m := demo.RESUMED_RE.match(ln)))
-    assert resumed_from % CKPT_EVERY == 0
-    assert CKPT_EVERY <= resumed_from <= len(killed)
+    assert resumed_from == 2 * CKPT_EVERY
+    if crash_mode == "after-commit":
+        assert len(killed) == 3 * CKPT_EVERY
+        log = crash / "log"
+        assert (log / "commits" / "000000000024-0000.json").exists()
+        attempt1 = json.loads((log / "attempts" / "0001.json").read_text())
+        assert attempt1["parent"] == "000000000016-0000"
 
     # The resumed attempt redid the steps after its checkpoint, nothing else.
     raw = [json.loads(ln) for ln in (crash / "stream.jsonl").read_text().splitlines()]

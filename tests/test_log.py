@@ -193,3 +193,52 @@ def test_bytes_per_event_near_information_content(root):
     )
     # 16 bits of information per shuffled id; the other columns are near-free.
     assert size / n < 1.15 * np.log2(n) / 8
+
+
+def test_failed_commit_keeps_its_events_and_the_retry_loses_nothing(root, monkeypatch):
+    from ledger.errors import StorageError
+
+    loader = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=1, log=root)
+    consumed = [b["id"].tolist() for b in take(loader, 2)]
+    real = Store.write_atomic
+
+    def failing(self, rel, data):
+        raise StorageError(f"injected failure writing {rel}")
+
+    monkeypatch.setattr(Store, "write_atomic", failing)
+    with pytest.raises(StorageError, match="injected"):
+        loader.state_dict()
+    assert not os.path.exists(os.path.join(root, "commits")) or not os.listdir(
+        os.path.join(root, "commits")
+    )
+    consumed += [b["id"].tolist() for b in take(loader, 1)]
+    monkeypatch.setattr(Store, "write_atomic", real)
+    token = loader.state_dict()
+    assert token["step"] == 3
+    ids = [e["sample_id"] for e in _events(root) if e["kind"] == "sample"]
+    assert ids == [i for b in consumed for i in b]
+
+
+def test_resume_from_a_segment_of_many_row_groups(root):
+    from ledger.segments import ROW_GROUP_ROWS
+
+    n = ROW_GROUP_ROWS * 3 + 1000
+    reference = ledger.DataLoader(
+        list(range(n)), batch_size=1000, shuffle=True, log=root + "r", per_sample_rng=False
+    )
+    expected = [b.tolist() for b in take(reference, 200)]
+    loader = ledger.DataLoader(
+        list(range(n)), batch_size=1000, shuffle=True, log=root, per_sample_rng=False
+    )
+    list(take(loader, 199))  # crosses the epoch end (198 batches) into epoch 1
+    token = loader.state_dict()
+    segment = next(
+        os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "events")) for f in fs
+    )
+    assert pq.ParquetFile(segment).num_row_groups >= 3
+    resumed = ledger.DataLoader(
+        list(range(n)), batch_size=1000, shuffle=True, log=root, per_sample_rng=False
+    )
+    resumed.load_state_dict(token)
+    assert resumed.epoch == 1 and resumed.state.epoch_batch == 1
+    assert next(iter(resumed)).tolist() == expected[199]

@@ -96,3 +96,53 @@ def test_loader_leaves_training_rng_alone(root):
     for _ in loader:
         pass
     assert torch.equal(torch.rand(5), expected)
+
+
+def test_persistent_workers_give_the_same_stream(tmp_path):
+    def stream(nw, persistent, sub):
+        loader = ledger.DataLoader(
+            Augmented(21),
+            batch_size=4,
+            shuffle=True,
+            seed=5,
+            log=str(tmp_path / sub),
+            num_workers=nw,
+            persistent_workers=persistent,
+        )
+        return [b for _ in range(3) for b in loader]
+
+    plain = stream(0, False, "plain")
+    persistent = stream(2, True, "persistent")
+    assert len(plain) == len(persistent) == 18
+    for a, b in zip(plain, persistent, strict=True):
+        assert torch.equal(a["id"], b["id"]) and torch.equal(a["x"], b["x"])
+
+
+def test_resume_exact_with_persistent_workers(root):
+    def make():
+        return ledger.DataLoader(
+            Augmented(13),
+            batch_size=3,
+            shuffle=True,
+            seed=2,
+            log=root,
+            num_workers=2,
+            persistent_workers=True,
+        )
+
+    assert assert_resume_exact(make, batches=12, every=2) == 6
+
+
+def test_hugging_face_dataset(root):
+    import datasets  # a dev dependency: CI never skips this
+
+    ds = datasets.Dataset.from_dict(
+        {"text": [f"doc {i}" for i in range(11)], "label": [i % 3 for i in range(11)]}
+    )
+
+    def make():
+        return ledger.DataLoader(ds, batch_size=4, shuffle=True, seed=0, log=root)
+
+    assert assert_resume_exact(make, batches=7) == 7
+    texts = [t for b in ledger.DataLoader(ds, batch_size=4, log=root + "2") for t in b["text"]]
+    assert texts == [f"doc {i}" for i in range(11)]

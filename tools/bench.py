@@ -32,7 +32,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -164,6 +164,12 @@ def throughput(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, i
     factories = _factories()
     names = list(factories)
     best: dict[tuple[str, int], float] = {}
+    # Warm-up: a tiny epoch of each, so lazy imports (pyarrow.parquet, ...) and first-call
+    # costs do not land in whichever loader happens to be timed first.
+    tiny = replace(cfg, n=8 * cfg.batch_size)
+    for nw in cfg.workers:
+        for make, _ in factories.values():
+            _epoch_seconds(partial(make, tiny, nw, roots.new()))
     for nw in cfg.workers:
         for r in range(cfg.repeats):
             # Rotate the order so that no loader always runs first (cold caches, turbo).
@@ -173,7 +179,9 @@ def throughput(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, i
                 secs, batches = _epoch_seconds(partial(make, cfg, nw, root))
                 rate = batches / secs
                 best[name, nw] = max(best.get((name, nw), 0.0), rate)
-                console.log(f"throughput nw={nw} rep {r + 1}/{cfg.repeats} {name}: {rate:,.0f} b/s")
+                console.print(
+                    f"throughput nw={nw} rep {r + 1}/{cfg.repeats} {name}: {rate:,.0f} b/s"
+                )
                 if logs:
                     shutil.rmtree(root, ignore_errors=True)
     return best
@@ -254,7 +262,7 @@ def resume_ttfb(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, 
                 if logs:
                     shutil.rmtree(fresh_root, ignore_errors=True)
             out[name, nw] = (statistics.median(fresh), statistics.median(resume))
-            console.log(
+            console.print(
                 f"ttfb nw={nw} {name}: fresh {out[name, nw][0] * 1e3:.1f} ms, "
                 f"resume {out[name, nw][1] * 1e3:.1f} ms"
             )
@@ -382,7 +390,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None]:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="smaller run: N=200,000, 2 repeats, 3 TTFB repeats (~1 minute)",
+        help="smaller run: N=200,000, 5 TTFB repeats (under a minute)",
     )
     p.add_argument("--n", type=int, help="dataset length for 1 and 2 (default 1,000,000)")
     p.add_argument("--batch-size", type=int, default=256)
@@ -397,8 +405,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None]:
     cfg = Config(
         n=a.n or (200_000 if a.quick else 1_000_000),
         batch_size=a.batch_size,
-        repeats=a.repeats or (2 if a.quick else 3),
-        ttfb_repeats=a.ttfb_repeats or (3 if a.quick else 7),
+        repeats=a.repeats or 3,
+        ttfb_repeats=a.ttfb_repeats or (5 if a.quick else 7),
         workers=tuple(a.workers),
         bytes_n=a.bytes_n,
         commit_every=a.commit_every,
@@ -410,6 +418,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None]:
 def main(argv: list[str] | None = None) -> None:
     cfg, tmpdir = parse_args(argv)
     console = Console()
+    if console.width < 120:  # piped output: rich would wrap the tables at 80 columns
+        console = Console(width=120)
     console.print(
         f"ledger {ledger.__version__}, torch {torch.__version__}, "
         f"torchdata StatefulDataLoader: {'yes' if StatefulDataLoader else 'not importable'}, "

@@ -168,6 +168,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-workers", type=int, default=2)
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--max-files", type=int, default=None)
+    ap.add_argument(
+        "--max-samples",
+        type=int,
+        default=1600,
+        help="windows per epoch, spread over the corpus (default: 100 batches, so the run "
+        "crosses epochs)",
+    )
     return ap.parse_args(argv)
 
 
@@ -194,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     if args.max_files is not None:
         train_args += ["--max-files", str(args.max_files)]
+    if args.max_samples:
+        train_args += ["--max-samples", str(args.max_samples)]
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ledger-demo-"))
     clean, crash = workdir / "clean", workdir / "crash"

@@ -1,7 +1,8 @@
 """The audit summary of a log: attempts, per-epoch coverage and duplicates, abandoned work.
 
 Everything is computed with SQL over the views of :mod:`ledger.audit.views`, in two
-scans: one over ``events`` (counts per commit) and one over ``lineage`` (per epoch).
+scans: one over ``events`` (counts and id bounds per commit) and one over ``lineage``
+(per epoch).
 """
 
 from __future__ import annotations
@@ -28,12 +29,17 @@ class AttemptSummary:
         parent: commit the attempt resumed from, ``None`` for a fresh start.
         commits: commit markers the attempt wrote.
         events: events (rows, all kinds) in the segments of those commits.
+        uncommitted_batches: batches in the attempt's journals after its last commit:
+            consumed by its training loop, never committed (lost if the attempt died).
+        uncommitted_samples: samples in those batches.
     """
 
     attempt: int
     parent: str | None
     commits: int
     events: int
+    uncommitted_batches: int = 0
+    uncommitted_samples: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +128,13 @@ def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
         """
         CREATE TEMP TABLE per_commit AS
         SELECT c.commit_id, c.attempt, c.in_lineage,
-               coalesce(e.events, 0) AS events, coalesce(e.samples, 0) AS samples
+               coalesce(e.events, 0) AS events, coalesce(e.samples, 0) AS samples, e.lo, e.hi
         FROM commits AS c
         LEFT JOIN (
             SELECT commit_id, count(*) AS events,
-                   count(*) FILTER (WHERE kind = 'sample') AS samples
+                   count(*) FILTER (WHERE kind = 'sample') AS samples,
+                   min(sample_id) FILTER (WHERE kind = 'sample') AS lo,
+                   max(sample_id) FILTER (WHERE kind = 'sample') AS hi
             FROM events GROUP BY commit_id
         ) AS e USING (commit_id)
         """
@@ -134,8 +142,13 @@ def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
     attempts = con.execute(
         """
         SELECT coalesce(a.attempt, c.attempt) AS attempt, any_value(a.parent),
-               count(c.commit_id), coalesce(sum(c.events), 0)
+               count(c.commit_id), coalesce(sum(c.events), 0),
+               coalesce(any_value(u.batches), 0), coalesce(any_value(u.samples), 0)
         FROM attempts AS a FULL OUTER JOIN per_commit AS c ON a.attempt = c.attempt
+        LEFT JOIN (
+            SELECT attempt, count(DISTINCT (rank, batch)) AS batches, count(*) AS samples
+            FROM uncommitted GROUP BY attempt
+        ) AS u ON u.attempt = coalesce(a.attempt, c.attempt)
         GROUP BY 1 ORDER BY 1
         """
     ).fetchall()
@@ -160,7 +173,7 @@ def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
     return Summary(
         run_id=run_id,
         dataset_len=dataset_len,
-        attempts=tuple(AttemptSummary(a, p, n, e) for a, p, n, e in attempts),
+        attempts=tuple(AttemptSummary(*row) for row in attempts),
         commits=commits,
         head=head[0] if head else None,
         epochs=tuple(
@@ -182,7 +195,7 @@ def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
 
 def _distinct_ids(con: duckdb.DuckDBPyConnection) -> str:
     """SQL aggregate counting the distinct sample ids of ``'sample'`` events per group."""
-    lo, hi = _one(con, "SELECT min(sample_id), max(sample_id) FROM lineage WHERE kind = 'sample'")
+    lo, hi = _one(con, "SELECT min(lo), max(hi) FROM per_commit WHERE in_lineage")
     if lo is None or hi - lo + 1 > _MAX_BITMAP_BITS:
         return "count(DISTINCT sample_id) FILTER (WHERE kind = 'sample')"
     # lo and hi are ints read back from DuckDB, so formatting them into SQL is safe.

@@ -55,6 +55,11 @@ epoch_batch BIGINT, batch BIGINT.
 commit it resumed from, NULL for a fresh start), world_size INTEGER, created_at TIMESTAMP
 (UTC), host VARCHAR, pid BIGINT.
 
+``uncommitted``: events journaled by a rank and covered by no commit of its attempt:
+batches that reached a training loop after its last commit (a crashed attempt's lost
+work, or a live attempt's work in flight). Columns as ``events`` without ``commit_id``
+and ``step``; only ``'sample'`` events. Read from ``journal/`` (local roots).
+
 ``run``: one row from ``run.json``: run_id VARCHAR, created_at TIMESTAMP (UTC),
 dataset_len BIGINT, seed BIGINT, shuffle BOOLEAN, batch_size BIGINT, drop_last BOOLEAN,
 world_size INTEGER, "order" VARCHAR.
@@ -85,14 +90,19 @@ import pyarrow.fs as pafs
 
 from ledger.commits import Commit, default_head, lineage, list_commits, read_run
 from ledger.errors import LogCorrupted
-from ledger.schema import EVENT_SCHEMA
+from ledger.journal import uncommitted
+from ledger.schema import EVENT_SCHEMA, chunks_to_table
 from ledger.store import Store
 
 VIEWS = ("events", "lineage", "commits", "segments", "states", "attempts", "run")
 """Names of the views :func:`connect` creates."""
 
-EVENTS_SCHEMA = EVENT_SCHEMA.append(pa.field("commit_id", pa.string(), nullable=False)).append(
-    pa.field("step", pa.int64(), nullable=False)
+# String columns are read as Arrow dictionaries, which DuckDB scans as VARCHAR without
+# building a string per row: filtering on `kind` is ~3x faster than with plain strings.
+_DICT = pa.dictionary(pa.int32(), pa.string())
+EVENTS_SCHEMA = pa.schema(
+    [f.with_type(_DICT) if f.name == "kind" else f for f in EVENT_SCHEMA]
+    + [pa.field("commit_id", _DICT, nullable=False), pa.field("step", pa.int64(), nullable=False)]
 )
 """Arrow schema of the ``events`` and ``lineage`` views."""
 
@@ -196,7 +206,11 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
 
     # A private spill directory: the one place DuckDB may write once access is disabled.
     scratch = tempfile.mkdtemp(prefix="ledger-audit-")
-    con = duckdb.connect(":memory:", config={"temp_directory": scratch})
+    try:
+        con = duckdb.connect(":memory:", config={"temp_directory": scratch})
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
     weakref.finalize(con, shutil.rmtree, scratch, True)
     con.register("events", _events_dataset(store, commits))
     con.register("lineage", _events_dataset(store, [c for c in commits if c.id in chain]))
@@ -205,6 +219,7 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     con.register("states", _states_table(commits))
     con.register("attempts", _attempts_table(store))
     con.register("run", _run_table(run))
+    con.register("uncommitted", _uncommitted_table(store, commits))
     for setting in (
         "autoinstall_known_extensions=false",
         "autoload_known_extensions=false",
@@ -237,7 +252,9 @@ def _events_dataset(store: Store, commits: list[Commit]) -> ds.Dataset:
     return ds.FileSystemDataset.from_paths(
         paths,
         schema=EVENTS_SCHEMA,
-        format=ds.ParquetFileFormat(),
+        format=ds.ParquetFileFormat(
+            read_options=ds.ParquetReadOptions(dictionary_columns=["kind"])
+        ),
         filesystem=_arrow_filesystem(store),
         partitions=partitions,
     )
@@ -364,3 +381,30 @@ def _run_table(run: dict[str, Any]) -> pa.Table:
         **{key: config.get(key) for key in _RUN_SCHEMA.names[2:]},
     }
     return _table([row], _RUN_SCHEMA)
+
+
+def _uncommitted_table(store: Store, commits: list[Commit]) -> pa.Table:
+    """Journaled ``'sample'`` events that no commit of their attempt covers."""
+    committed: dict[tuple[int, int], int] = {}
+    for c in commits:
+        for st in c.states:
+            key = (c.attempt, st.rank)
+            committed[key] = max(committed.get(key, -1), st.batch)
+    journals: dict[tuple[int, int], bytes] = {}
+    for rel in store.glob("journal/attempt=*/rank=*.msgpack"):
+        parts = dict(p.split("=", 1) for p in rel[: -len(".msgpack")].split("/")[1:])
+        journals[(int(parts["attempt"]), int(parts["rank"]))] = store.read_bytes(rel)
+    tables = [
+        chunks_to_table(chunks, attempt, rank)
+        for (attempt, rank), chunks in sorted(uncommitted(journals, committed).items())
+        if chunks
+    ]
+    if not tables:
+        return EVENT_SCHEMA.empty_table().cast(_PLAIN_EVENT_SCHEMA)
+    return pa.concat_tables(tables).cast(_PLAIN_EVENT_SCHEMA)
+
+
+# DuckDB reads a dictionary column as VARCHAR anyway; a plain one keeps the view simple.
+_PLAIN_EVENT_SCHEMA = pa.schema(
+    [f if f.name != "kind" else pa.field("kind", pa.string(), False) for f in EVENT_SCHEMA]
+)
