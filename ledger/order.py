@@ -213,38 +213,41 @@ class BatchPlan:
     drop_last: bool
     rank: int = 0
     world_size: int = 1
+    step_size: int = field(init=False, repr=False)
+    """Positions per global step (W*B)."""
+    full_steps: int = field(init=False, repr=False)
+    """Global steps of an epoch in which every rank gets ``batch_size`` samples."""
+    consumed_per_epoch: int = field(init=False, repr=False)
+    """Positions all ranks consume in one epoch (the rest are skipped by drop_last)."""
+    batches_per_epoch: int = field(init=False, repr=False)
+    """Batches this rank receives in one epoch."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        # Derived once: these sit on the per-batch path.
+        step = self.batch_size * self.world_size
+        full = self.n // step
+        consumed = full * step if self.drop_last else self.n
+        batches = full
+        if consumed > full * step:
+            lo, hi = self.batch_bounds(full, _step=step, _full=full)
+            batches += 1 if hi > lo else 0
+        for name, value in (
+            ("step_size", step),
+            ("full_steps", full),
+            ("consumed_per_epoch", consumed),
+            ("batches_per_epoch", batches),
+        ):
+            object.__setattr__(self, name, value)
 
-    @property
-    def step_size(self) -> int:
-        """Positions per global step (W*B)."""
-        return self.batch_size * self.world_size
-
-    @property
-    def consumed_per_epoch(self) -> int:
-        """Positions all ranks consume in one epoch (the rest are skipped by drop_last)."""
-        if self.drop_last:
-            return (self.n // self.step_size) * self.step_size
-        return self.n
-
-    @property
-    def batches_per_epoch(self) -> int:
-        """Batches this rank receives in one epoch."""
-        full, rest = divmod(self.n, self.step_size)
-        if self.drop_last or rest == 0:
-            return full
-        # The short final step: rank r gets a non-empty slice only if rest > r*chunk.
-        return full + (1 if self.batch_bounds(full)[1] > self.batch_bounds(full)[0] else 0)
-
-    def batch_bounds(self, k: int) -> tuple[int, int]:
+    def batch_bounds(self, k: int, *, _step: int = 0, _full: int = -1) -> tuple[int, int]:
         """Positions ``[start, stop)`` of this rank's ``k``-th batch of an epoch."""
-        full = self.n // self.step_size
-        base = k * self.step_size
+        step = _step or self.step_size
+        full = _full if _full >= 0 else self.full_steps
+        base = k * step
         if k < full:
             start = base + self.rank * self.batch_size
             return start, start + self.batch_size
@@ -252,3 +255,13 @@ class BatchPlan:
         chunk, extra = divmod(max(rest, 0), self.world_size)
         start = base + self.rank * chunk + min(self.rank, extra)
         return start, start + chunk + (1 if self.rank < extra else 0)
+
+    def bounds(self, k0: int, k1: int) -> tuple[np.ndarray, np.ndarray]:
+        """Starts and stops (``int64`` arrays, shape ``(k1 - k0,)``) of batches ``[k0, k1)``."""
+        ks = np.arange(k0, k1, dtype=np.int64)
+        starts = ks * self.step_size + self.rank * self.batch_size
+        stops = starts + self.batch_size
+        if k1 > self.full_steps:  # the short final step
+            lo, hi = self.batch_bounds(self.full_steps)
+            starts[-1], stops[-1] = lo, hi
+        return starts, stops
