@@ -49,6 +49,33 @@ def _load(store: Store, rel: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerState:
+    """Where one logical worker of a stream stands, as of the last batch consumed from it.
+
+    Attributes:
+        worker: logical worker id on its rank (``0..num_workers-1``; 0 without workers).
+        shard: index into the worker's shard list of the shard being read.
+        row: rows of that shard already read.
+        rows_read: rows read this epoch (into the shuffle buffer or straight through).
+        draws: shuffle-buffer draws made this epoch (the counter of the counter-based RNG).
+        emitted: samples the buffer handed on this epoch.
+        doc: sample id of the document the packer is in the middle of, ``-1`` for none.
+        doc_offset: tokens of ``doc`` already packed.
+        doc_length: tokens of ``doc``, EOS included.
+    """
+
+    worker: int
+    shard: int = 0
+    row: int = 0
+    rows_read: int = 0
+    draws: int = 0
+    emitted: int = 0
+    doc: int = -1
+    doc_offset: int = 0
+    doc_length: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class PipelineState:
     """Where one rank's pipeline stands, between two batches.
 
@@ -57,16 +84,28 @@ class PipelineState:
         epoch: epoch of the next batch.
         epoch_batch: batches of ``epoch`` this rank has consumed (0 at an epoch start).
         batch: per-rank index of the next batch over the lineage (= batches consumed).
+        workers: streams only: the state of each logical worker (the shuffle buffers'
+            contents are logged as ``buffer`` events at each commit).
+        next_worker: streams only: the logical worker whose batch comes next.
     """
 
     rank: int = 0
     epoch: int = 0
     epoch_batch: int = 0
     batch: int = 0
+    workers: tuple[WorkerState, ...] = ()
+    next_worker: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PipelineState:
-        return cls(int(d["rank"]), int(d["epoch"]), int(d["epoch_batch"]), int(d["batch"]))
+        return cls(
+            int(d["rank"]),
+            int(d["epoch"]),
+            int(d["epoch_batch"]),
+            int(d["batch"]),
+            tuple(WorkerState(**w) for w in d.get("workers", ())),
+            int(d.get("next_worker", 0)),
+        )
 
 
 # ---------------------------------------------------------------- run.json

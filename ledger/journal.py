@@ -11,7 +11,9 @@ loss (no fsync per batch).
 Record layout (msgpack arrays):
 
 * header: ``["ledger-journal", version, attempt, rank, after_commit or None]``
-* event: ``[kind, epoch, batch, worker, first_position, ids_bytes]``
+* event: ``[kind, epoch, batch, worker, first_position, ids_bytes, extras]``; ``extras``
+  is ``None`` or a map of the optional columns: ``positions``, ``token_start``,
+  ``token_end``, ``length`` (raw ``int64`` bytes) and ``values`` (list of str or nil).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
-from ledger.schema import SAMPLE, SCHEMA_VERSION, EventChunk
+from ledger.schema import SAMPLE, SCHEMA_VERSION, SPAN, EventChunk
 
 MAGIC = "ledger-journal"
+_ARRAYS = ("positions", "token_start", "token_end", "length")
 
 
 def journal_path(attempt: int, rank: int) -> str:
@@ -54,12 +57,16 @@ class Journal:
     def append(self, chunk: EventChunk) -> None:
         """Append one batch's events (one ``write(2)``)."""
         ids = np.ascontiguousarray(chunk.sample_ids, dtype="<i8")
-        os.write(
-            self._fd,
-            self._pack(
-                [chunk.kind, chunk.epoch, chunk.batch, chunk.worker, chunk.position, ids.data]
-            ),
-        )
+        extras: dict[str, Any] | None = None
+        if chunk.positions is not None or chunk.token_start is not None or chunk.values:
+            extras = {
+                name: np.ascontiguousarray(arr, dtype="<i8").data
+                for name in _ARRAYS
+                if (arr := getattr(chunk, name)) is not None
+            }
+            extras["values"] = chunk.values
+        record = [chunk.kind, chunk.epoch, chunk.batch, chunk.worker, chunk.position, ids.data]
+        os.write(self._fd, self._pack([*record, extras]))
 
     def reset(self, after_commit: str | None) -> None:
         """Empty the journal after a commit; the header names that commit."""
@@ -101,10 +108,18 @@ def read_journal(data: bytes) -> tuple[dict[str, object], list[EventChunk]]:
     chunks: list[EventChunk] = []
     try:
         for rec in records:
-            kind, epoch, batch, worker, position, raw = cast(list[Any], rec)
+            kind, epoch, batch, worker, position, raw, extras = cast(list[Any], rec)
             assert isinstance(raw, bytes)
             ids = np.frombuffer(raw, dtype="<i8").astype(np.int64)
-            chunks.append(EventChunk(kind, epoch, batch, worker, position, ids))
+            arrays = {
+                name: np.frombuffer(extras[name], dtype="<i8").astype(np.int64)
+                for name in _ARRAYS
+                if extras and extras.get(name) is not None
+            }
+            values = extras.get("values") if extras else None
+            chunks.append(
+                EventChunk(kind, epoch, batch, worker, position, ids, values=values, **arrays)
+            )
     except (ValueError, TypeError, AssertionError, msgpack.UnpackException):
         pass  # a torn tail: everything before it is intact
     return header, chunks
@@ -133,5 +148,5 @@ def uncommitted(
         except ValueError:
             continue
         floor = committed.get(key, -1)
-        out[key] = [c for c in chunks if c.kind == SAMPLE and c.batch >= floor]
+        out[key] = [c for c in chunks if c.kind in (SAMPLE, SPAN) and c.batch >= floor]
     return out

@@ -27,13 +27,15 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from ledger.commits import Commit, PipelineState
+from ledger.commits import Commit, PipelineState, read_run
 from ledger.errors import ConfigMismatch, LedgerError, TokenError, WrongRoot
 from ledger.log import Ledger
 from ledger.order import BatchPlan, EpochOrder, sample_seeds
 from ledger.replay import advance, replay
 from ledger.schema import ORDER_ALGORITHM, SAMPLE, SKIP, EventChunk
 from ledger.store import Store
+from ledger.stream.driver import StreamDriver
+from ledger.stream.pipeline import Stream
 
 TOKEN_VERSION = 1
 _TOKEN_KEYS = ("version", "root", "run_id", "commit", "attempt", "rank", "world_size", "step")
@@ -221,7 +223,17 @@ class DataLoader:
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
-        self._plan = BatchPlan(len(dataset), batch_size, self.drop_last, rank, world_size)
+        self._stream: StreamDriver | None = None
+        if isinstance(dataset, Stream):
+            if drop_last or persistent_workers:
+                raise ValueError(
+                    "a Stream serves every sample (drop_last=False) and needs fresh workers "
+                    "each epoch (persistent_workers=False)"
+                )
+            n = dataset.source.num_rows
+        else:
+            n = len(dataset)
+        self._plan = BatchPlan(n, batch_size, self.drop_last, rank, world_size)
         if self._plan.batches_per_epoch == 0:
             raise ValueError(
                 f"an epoch of {len(dataset)} samples holds no batch of {batch_size} samples on "
@@ -243,18 +255,37 @@ class DataLoader:
         # loader never consumes the training loop's global torch RNG.
         generator = torch.Generator()
         generator.manual_seed(self.seed)
+        torch_kwargs: dict[str, Any] = {
+            "pin_memory": pin_memory,
+            "timeout": timeout,
+            "worker_init_fn": worker_init_fn,
+            "multiprocessing_context": multiprocessing_context,
+            "generator": generator,
+            "prefetch_factor": prefetch_factor,
+        }
+        if isinstance(dataset, Stream):
+            self._stream = StreamDriver(
+                dataset,
+                seed=self.seed,
+                shuffle=self.shuffle,
+                rank=rank,
+                world_size=world_size,
+                num_workers=num_workers,
+                batch_size=batch_size,
+                collate_fn=collate_fn or _default_collate,
+                per_sample_rng=per_sample_rng,
+                torch_kwargs=torch_kwargs,
+            )
+            self._torch_loader = self._stream.torch_loader
+            self._state = self._stream.initial_state()
+            return
         self._torch_loader = tud.DataLoader(
             _Fetch(dataset, self.seed, per_sample_rng),
             batch_sampler=_Requests(self),  # type: ignore[arg-type]  # yields requests
             num_workers=num_workers,
             collate_fn=_TagCollate(collate_fn or _default_collate),  # type: ignore[arg-type]
-            pin_memory=pin_memory,
-            timeout=timeout,
-            worker_init_fn=worker_init_fn,
-            multiprocessing_context=multiprocessing_context,
-            generator=generator,
-            prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
+            **torch_kwargs,
         )
 
     # ------------------------------------------------------------------ properties
@@ -277,7 +308,7 @@ class DataLoader:
     @property
     def config(self) -> dict[str, Any]:
         """What must not change across a resume; stored in ``run.json``."""
-        return {
+        config = {
             "dataset_len": self._plan.n,
             "seed": self.seed,
             "shuffle": self.shuffle,
@@ -286,9 +317,18 @@ class DataLoader:
             "world_size": self._plan.world_size,
             "order": ORDER_ALGORITHM,
         }
+        if self._stream is not None:
+            config.update(self._stream.config())
+        return config
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank."""
+        """Batches per epoch on this rank (map-style only).
+
+        Raises:
+            TypeError: for a stream, whose batches per epoch depend on packing.
+        """
+        if self._stream is not None:
+            raise TypeError("a stream's batches per epoch are not known in advance")
         return self._plan.batches_per_epoch
 
     def _order(self, epoch: int) -> EpochOrder:
@@ -312,16 +352,37 @@ class DataLoader:
         generation = self._generation
         self._inflight.clear()
         self._iter_epoch = self._state.epoch
+        if self._stream is not None:
+            self._stream.begin(self._state)
+            return self._serve_stream(self._stream, generation)
         return self._serve(generation)
+
+    def _serve_stream(self, driver: StreamDriver, generation: int) -> Iterator[Any]:
+        start_epoch = self._state.epoch
+        try:
+            for meta, data in self._torch_loader:
+                self._check_generation(generation)
+                chunk, state = driver.record(self._state, meta)
+                self._ledger.append(chunk)
+                self._state = state
+                yield data
+            if generation == self._generation:
+                driver.finish(self._state, start_epoch)
+        finally:
+            if generation == self._generation:
+                self._iter_epoch = None
+
+    def _check_generation(self, generation: int) -> None:
+        if generation != self._generation:
+            raise LedgerError(
+                "this iterator was invalidated by load_state_dict() or a newer "
+                "iter(loader); iterate the loader again"
+            )
 
     def _serve(self, generation: int) -> Iterator[Any]:
         try:
             for tagged in self._torch_loader:
-                if generation != self._generation:
-                    raise LedgerError(
-                        "this iterator was invalidated by load_state_dict() or a newer "
-                        "iter(loader); iterate the loader again"
-                    )
+                self._check_generation(generation)
                 epoch, epoch_batch, batch, worker = tagged[0]
                 req = self._inflight.popleft()
                 if (req.epoch, req.epoch_batch, req.batch) != (epoch, epoch_batch, batch):
@@ -368,7 +429,8 @@ class DataLoader:
             run_id = self._ledger.open(self.config)
             head = self._resume_from
         else:
-            head = self._ledger.commit(self._state)
+            snapshot = self._stream.snapshot(self._state) if self._stream is not None else []
+            head = self._ledger.commit(self._state, snapshot)
             run_id = self._ledger.run_id or ""
         return {
             "version": TOKEN_VERSION,
@@ -407,6 +469,10 @@ class DataLoader:
                 f"the token was written to log root {token['root']!r}, this loader logs to "
                 f"{self._ledger.root!r}: pass log={token['root']!r} to resume that run"
             )
+        if self._stream is not None and self._ledger.store.exists("run.json"):
+            # Before the generic config check: name the first shard that changed.
+            logged = read_run(self._ledger.store)["config"].get("source", [])
+            self._stream.stream.source.check(logged)
         run_id = self._ledger.open(self.config)
         if token["run_id"] != run_id:
             raise WrongRoot(
@@ -421,10 +487,18 @@ class DataLoader:
         if token["world_size"] != self._plan.world_size:
             raise ConfigMismatch("world_size", token["world_size"], self._plan.world_size)
         if token["commit"] == "":
-            head, state = None, PipelineState(self._plan.rank, 0, 0, 0)
+            head = None
+            if self._stream is not None:
+                state = self._stream.initial_state()
+                self._stream.buffers = {}
+            else:
+                state = PipelineState(self._plan.rank, 0, 0, 0)
         else:
             head = self._ledger.read_commit(token["commit"])
-            state = replay(self._ledger.store, head, self._plan, self._order)
+            if self._stream is not None:
+                state = self._stream.replay(self._ledger.store, head)
+            else:
+                state = replay(self._ledger.store, head, self._plan, self._order)
         self._state = state
         self._resume_from = head
         self._generation += 1  # a live iterator must not keep producing the old stream

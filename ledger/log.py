@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 from ledger.commits import (
@@ -118,13 +119,15 @@ class Ledger:
             self._builder.add(chunk)
         self._journal.append(chunk)
 
-    def commit(self, state: PipelineState) -> Commit:
+    def commit(self, state: PipelineState, snapshot: Sequence[EventChunk] = ()) -> Commit:
         """Write the pending events as a segment and create the commit marker.
 
         Idempotent: with no events since the last commit of the same step, returns it.
 
         Args:
             state: this rank's pipeline state after the last appended event.
+            snapshot: events describing the state at the commit (shuffle buffers'
+                contents), written at the end of the segment and not journaled.
 
         Returns:
             The new (or unchanged) head commit.
@@ -148,14 +151,19 @@ class Ledger:
         if self._pending:
             builder, self._builder = self._builder, None
             try:
+                if builder is not None:
+                    for chunk in snapshot:
+                        builder.add(chunk)
                 data = builder.finish() if builder is not None else b""
             except Exception:  # the builder is an optimisation: re-encode from the chunks
                 data = b""
+            chunks = [*self._pending, *snapshot]
             if not data:
-                data = encode(chunks_to_table(self._pending, self.attempt, self.rank))
+                data = encode(chunks_to_table(chunks, self.attempt, self.rank))
             rel = segment_path(self.attempt, self.rank, step)
             self.store.write_atomic(rel, data)
-            segments = (SegmentRef(self.rank, rel, self.pending_rows, len(data), sha256(data)),)
+            rows = sum(c.rows for c in chunks)
+            segments = (SegmentRef(self.rank, rel, rows, len(data), sha256(data)),)
         commit = Commit(
             id=commit_id(step, self.attempt),
             step=step,

@@ -23,7 +23,11 @@ SAMPLE = "sample"
 """A sample in a batch handed to the training loop."""
 SKIP = "skip"
 """A position of the epoch that no batch will serve (the tail dropped by ``drop_last``)."""
-KINDS = [SAMPLE, SKIP]
+SPAN = "span"
+"""Tokens ``[token_start, token_end)`` of a sample, packed into a sequence of a batch."""
+BUFFER = "buffer"
+"""A sample held in a shuffle buffer at a commit (``position`` is its slot)."""
+KINDS = [SAMPLE, SKIP, SPAN, BUFFER]
 
 EVENT_SCHEMA = pa.schema(
     [
@@ -35,6 +39,10 @@ EVENT_SCHEMA = pa.schema(
         pa.field("position", pa.int64(), nullable=False),
         pa.field("sample_id", pa.int64(), nullable=False),
         pa.field("kind", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("token_start", pa.int64()),
+        pa.field("token_end", pa.int64()),
+        pa.field("length", pa.int64()),
+        pa.field("value", pa.string()),
     ],
     metadata={b"ledger.schema_version": str(SCHEMA_VERSION).encode()},
 )
@@ -42,28 +50,40 @@ EVENT_SCHEMA = pa.schema(
 
 - ``attempt`` int32: process lifetime of the run that consumed the event.
 - ``rank`` int32: ``torch.distributed`` rank (0 without distributed).
-- ``worker`` int32: DataLoader worker that loaded the batch, ``-1`` for the main process.
+- ``worker`` int32: DataLoader worker that loaded the batch, ``-1`` for the main process
+  (streams: the logical worker, ``0..num_workers-1``).
 - ``epoch`` int32: epoch of the event.
 - ``batch`` int64: per-rank batch index, counted from 0 over the whole lineage (the
   training step when one batch is one step). For ``skip`` events: the batch that closed
-  the epoch.
-- ``position`` int64: index in the epoch's global order.
-- ``sample_id`` int64: stable id of the sample (map-style: the dataset index).
-- ``kind`` string (dictionary-encoded): ``'sample'`` or ``'skip'``.
+  the epoch; for ``buffer`` events: the next batch at the commit.
+- ``position`` int64: index in the epoch's global order (``buffer`` events: the slot).
+- ``sample_id`` int64: stable id of the sample (map-style: the dataset index; streams:
+  the global row number over the sorted file list).
+- ``kind`` string (dictionary-encoded): ``'sample'``, ``'skip'``, ``'span'`` (tokens
+  ``[token_start, token_end)`` of a sample packed into a sequence of the batch) or
+  ``'buffer'`` (a sample in a shuffle buffer at the commit).
+- ``token_start``, ``token_end`` int64: the span's tokens (``span`` only, else null).
+- ``length`` int64: the sample's length in tokens, EOS included (``span`` only).
+- ``value`` string: JSON of the draws the transform recorded with ``ctx.record``, on the
+  event that first consumed the sample (else null).
 """
 
 
 @dataclass(frozen=True, slots=True)
 class EventChunk:
-    """Events of one batch (or one skipped tail): contiguous positions, one kind.
+    """Events of one batch (or one skipped tail, or one buffer snapshot), one kind.
 
     Attributes:
-        kind: ``SAMPLE`` or ``SKIP``.
+        kind: ``SAMPLE``, ``SKIP``, ``SPAN`` or ``BUFFER``.
         epoch: epoch of every event.
         batch: per-rank batch index of every event.
         worker: worker id (``-1``: main process).
-        position: position of the first event; event ``i`` sits at ``position + i``.
+        position: position of the first event; event ``i`` sits at ``position + i``
+            unless ``positions`` is given.
         sample_ids: ``int64`` array, shape ``(rows,)``.
+        positions: ``int64`` array of positions, shape ``(rows,)``, or ``None``.
+        token_start, token_end, length: ``int64`` arrays ``(rows,)`` for spans, or ``None``.
+        values: per-row JSON strings (or ``None`` entries), or ``None`` for all null.
     """
 
     kind: str
@@ -72,6 +92,11 @@ class EventChunk:
     worker: int
     position: int
     sample_ids: np.ndarray
+    positions: np.ndarray | None = None
+    token_start: np.ndarray | None = None
+    token_end: np.ndarray | None = None
+    length: np.ndarray | None = None
+    values: list[str | None] | None = None
 
     @property
     def rows(self) -> int:
@@ -81,7 +106,8 @@ class EventChunk:
 def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Table:
     """Concatenate event chunks into one Arrow table with :data:`EVENT_SCHEMA`.
 
-    Vectorised: one ``np.repeat`` per scalar column, no Python object per row.
+    Vectorised: one ``np.repeat`` per scalar column, no Python object per row (except
+    the optional ``values`` strings).
 
     Args:
         chunks: the chunks, in consumption order.
@@ -97,13 +123,40 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
     def rep(values: list[int], dtype: type) -> np.ndarray:
         return np.repeat(np.asarray(values, dtype=dtype), counts)
 
-    starts = rep([c.position for c in chunks], np.int64)
-    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    ids = (
-        np.concatenate([c.sample_ids for c in chunks]).astype(np.int64, copy=False)
-        if chunks
-        else np.zeros(0, np.int64)
-    )
+    def cat(arrays: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(arrays).astype(np.int64, copy=False) if arrays else np.zeros(0)
+
+    if all(c.positions is None for c in chunks):
+        offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        positions = rep([c.position for c in chunks], np.int64) + offsets
+    else:
+        positions = cat(
+            [
+                c.positions if c.positions is not None else c.position + np.arange(c.rows)
+                for c in chunks
+            ]
+        )
+
+    def optional(name: str) -> pa.Array:
+        if all(getattr(c, name) is None for c in chunks):
+            return pa.nulls(total, pa.int64())
+        parts = [getattr(c, name) for c in chunks]
+        data = cat(
+            [
+                p if p is not None else np.zeros(c.rows, np.int64)
+                for p, c in zip(parts, chunks, strict=True)
+            ]
+        )
+        mask = np.repeat(np.array([p is None for p in parts]), counts)
+        return pa.array(data, mask=mask)
+
+    if all(c.values is None for c in chunks):
+        values = pa.nulls(total, pa.string())
+    else:
+        values = pa.array(
+            [v for c in chunks for v in (c.values if c.values is not None else [None] * c.rows)],
+            pa.string(),
+        )
     kinds = pa.DictionaryArray.from_arrays(
         pa.array(rep([KINDS.index(c.kind) for c in chunks], np.int8)), pa.array(KINDS)
     )
@@ -114,9 +167,13 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
             "worker": pa.array(rep([c.worker for c in chunks], np.int32)),
             "epoch": pa.array(rep([c.epoch for c in chunks], np.int32)),
             "batch": pa.array(rep([c.batch for c in chunks], np.int64)),
-            "position": pa.array(starts + offsets),
-            "sample_id": pa.array(ids),
+            "position": pa.array(positions),
+            "sample_id": pa.array(cat([c.sample_ids for c in chunks])),
             "kind": kinds,
+            "token_start": optional("token_start"),
+            "token_end": optional("token_end"),
+            "length": optional("length"),
+            "value": values,
         },
         schema=EVENT_SCHEMA,
     )

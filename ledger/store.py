@@ -162,3 +162,63 @@ class Store:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class Files:
+    """A set of data files given as URIs or globs, read through fsspec (for sources).
+
+    Args:
+        urls: a URI, a glob, or a list of them (``"data/*.parquet"``, ``"s3://b/x-*.jsonl"``).
+        storage_options: passed to the fsspec filesystem.
+
+    Raises:
+        FileNotFoundError: if a URI or glob matches no file.
+    """
+
+    def __init__(
+        self, urls: str | list[str] | tuple[str, ...], storage_options: dict[str, Any] | None = None
+    ) -> None:
+        items = [urls] if isinstance(urls, str) else list(urls)
+        if not items:
+            raise FileNotFoundError("no data files given")
+        self.storage_options = dict(storage_options or {})
+        fs, _ = fsspec.core.url_to_fs(str(items[0]), **self.storage_options)
+        self.fs = fs
+        paths: list[str] = []
+        for url in items:
+            _, path = fsspec.core.url_to_fs(str(url), **self.storage_options)
+            found = sorted(fs.glob(path)) if fsspec.core.has_magic(path) else [path]
+            if not found or not all(fs.isfile(p) for p in found):
+                raise FileNotFoundError(f"{url} matches no data file")
+            paths.extend(found)
+        self.paths = sorted(set(paths))
+
+    def size(self, path: str) -> int:
+        """Size of ``path`` (bytes)."""
+        return int(self.fs.size(path))
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``path``."""
+        return bytes(self.fs.cat_file(path, start=start, end=end))
+
+    def read(self, path: str) -> bytes:
+        """Whole contents of ``path``."""
+        return bytes(self.fs.cat_file(path))
+
+    def open(self, path: str) -> IO[bytes]:
+        """A binary, seekable file object for reading ``path``."""
+        f: IO[bytes] = self.fs.open(path, "rb")
+        return f
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers rebuild the filesystem object: never ship open handles or clients.
+        return {"paths": self.paths, "storage_options": self.storage_options, "url": self._url()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.storage_options = state["storage_options"]
+        self.fs, _ = fsspec.core.url_to_fs(state["url"], **self.storage_options)
+        self.paths = state["paths"]
+
+    def _url(self) -> str:
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        return self.paths[0] if protocol in ("file", "local") else f"{protocol}://{self.paths[0]}"

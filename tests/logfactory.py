@@ -139,7 +139,8 @@ class LogFactory:
 
     def _segment(self, rel: str, rows: list[Row]) -> bytes:
         table = pa.Table.from_pylist(
-            [dict(zip(EVENT_SCHEMA.names, r, strict=True)) for r in rows], schema=EVENT_SCHEMA
+            [dict(zip(EVENT_SCHEMA.names[: len(r)], r, strict=True)) for r in rows],
+            schema=EVENT_SCHEMA,
         )
         data = encode(table)
         self._write(rel, data)

@@ -1,6 +1,7 @@
 """Child process for test_sigkill: consume a loader, checkpoint every 3 batches.
 
-Usage: python sigkill_child.py ROOT OUT CKPT TOTAL [--resume]
+Usage: python sigkill_child.py ROOT OUT CKPT TOTAL [--resume] [--shards DIR]
+With --shards: a packed, shuffled stream over the shards in DIR instead of a dataset.
 Writes one line per consumed batch to OUT: "<batch index> <ids> <digest of x>"; writes
 the token to CKPT (JSON, atomically) after every commit; prints progress on stdout.
 """
@@ -20,9 +21,31 @@ import ledger
 
 def main() -> None:
     root, out, ckpt, total = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    loader = ledger.DataLoader(
-        Augmented(37), batch_size=4, shuffle=True, seed=11, log=root, num_workers=2
-    )
+    if "--shards" in sys.argv:
+        import numpy as np
+
+        from ledger.stream import Packer, ShardedSource, Stream
+
+        shards = sys.argv[sys.argv.index("--shards") + 1]
+
+        def tokens(record, ctx):
+            return np.frombuffer(record["text"].encode(), np.uint8).astype(np.int64) + 1
+
+        stream = Stream(
+            ShardedSource(os.path.join(shards, "*")),
+            transform=tokens,
+            shuffle_buffer=5,
+            packer=Packer(seq_len=16),
+        )
+        loader = ledger.DataLoader(
+            stream, batch_size=2, shuffle=True, seed=11, log=root, num_workers=2
+        )
+        key = "tokens"
+    else:
+        loader = ledger.DataLoader(
+            Augmented(37), batch_size=4, shuffle=True, seed=11, log=root, num_workers=2
+        )
+        key = "x"
     step = 0
     if "--resume" in sys.argv:
         with open(ckpt) as t:
@@ -32,8 +55,9 @@ def main() -> None:
     with open(out, "a") as f:
         while step < total:
             for batch in loader:
-                digest = hashlib.sha256(batch["x"].numpy().tobytes()).hexdigest()[:16]
-                f.write(f"{step} {batch['id'].tolist()} {digest}\n")
+                digest = hashlib.sha256(batch[key].numpy().tobytes()).hexdigest()[:16]
+                ids = batch["id" if key == "x" else "sample_ids"].tolist()
+                f.write(f"{step} {ids} {digest}\n")
                 f.flush()
                 step += 1
                 print(f"step {step}", flush=True)

@@ -14,6 +14,7 @@ from logfactory import DATASET_LEN, RUN_ID, LogFactory, Row, batch, example_log
 
 from ledger.audit import AttemptSummary, EpochSummary, Position, Summary, connect, summarize
 from ledger.errors import CommitNotFound, LogCorrupted
+from ledger.schema import EVENT_SCHEMA
 
 LINEAGE = ["000000000002-0000", "000000000004-0000", "000000000006-0001",
            "000000000007-0001", "000000000007-0002"]  # fmt: skip
@@ -143,9 +144,11 @@ def test_views_of_a_log_without_commits(tmp_path: Path) -> None:
     con = connect(str(tmp_path))
     for view in ("events", "lineage", "commits", "segments", "states", "attempts"):
         assert fetch(con, f"SELECT count(*) FROM {view}") == [(0,)], view
-    assert [d[0] for d in con.execute("SELECT * FROM events").description] == EVENT_COLUMNS.split(
-        ", "
-    )
+    assert [d[0] for d in con.execute("SELECT * FROM events").description] == [
+        *EVENT_SCHEMA.names,
+        "commit_id",
+        "step",
+    ]
 
 
 def test_unknown_head_raises_commit_not_found(log: LogFactory) -> None:

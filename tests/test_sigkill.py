@@ -49,3 +49,25 @@ def test_sigkill_then_resume_gives_the_uninterrupted_stream(tmp_path, kill_after
     assert len(reference) == len(resumed) == TOTAL
     differing = [i for i, (a, b) in enumerate(zip(reference, resumed, strict=True)) if a != b]
     assert differing == []
+
+
+def test_sigkill_a_packed_stream_then_resume(tmp_path):
+    import json
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for s in range(3):
+        with open(shards / f"part-{s}.jsonl", "w") as f:
+            for i in range(9 + s):
+                f.write(json.dumps({"text": f"shard {s} doc {i} " + "z" * (i * 3)}) + "\n")
+    extra = ["--shards", str(shards)]
+    ref = tmp_path / "ref.txt"
+    args_ref = [str(tmp_path / "ref"), str(ref), str(tmp_path / "ref.json"), str(TOTAL), *extra]
+    assert _run(args_ref) == 0
+    out, ckpt = tmp_path / "run.txt", tmp_path / "ck.json"
+    args = [str(tmp_path / "log"), str(out), str(ckpt), str(TOTAL), *extra]
+    assert _run(args, kill_after_line=23) == -signal.SIGKILL
+    assert _run([*args, "--resume"]) == 0
+    reference, resumed = _effective_stream(ref), _effective_stream(out)
+    assert len(reference) == len(resumed) == TOTAL
+    assert [i for i, (a, b) in enumerate(zip(reference, resumed, strict=True)) if a != b] == []

@@ -13,6 +13,10 @@ import duckdb
 
 from ledger.audit.views import connect
 
+# An event that hands a sample to the training loop: a 'sample', or the first span of a
+# packed sample (its later spans are the rest of the same sample).
+CONSUMED = "(kind = 'sample' OR (kind = 'span' AND token_start = 0))"
+
 # Distinct sample ids per epoch are counted with one bitmap per epoch
 # (``bitstring_agg``, one bit per id between the smallest and the largest id) instead
 # of COUNT(DISTINCT), which hashes every row: exact, and about 10x faster on 3 x 10**7
@@ -125,28 +129,29 @@ def summarize(root: str, head: str | None = None) -> Summary:
 def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
     run_id, dataset_len = _one(con, "SELECT run_id, dataset_len FROM run")
     con.execute(
-        """
+        f"""
         CREATE TEMP TABLE per_commit AS
         SELECT c.commit_id, c.attempt, c.in_lineage,
                coalesce(e.events, 0) AS events, coalesce(e.samples, 0) AS samples, e.lo, e.hi
         FROM commits AS c
         LEFT JOIN (
             SELECT commit_id, count(*) AS events,
-                   count(*) FILTER (WHERE kind = 'sample') AS samples,
-                   min(sample_id) FILTER (WHERE kind = 'sample') AS lo,
-                   max(sample_id) FILTER (WHERE kind = 'sample') AS hi
+                   count(*) FILTER (WHERE {CONSUMED}) AS samples,
+                   min(sample_id) FILTER (WHERE {CONSUMED}) AS lo,
+                   max(sample_id) FILTER (WHERE {CONSUMED}) AS hi
             FROM events GROUP BY commit_id
         ) AS e USING (commit_id)
         """
     )
     attempts = con.execute(
-        """
+        f"""
         SELECT coalesce(a.attempt, c.attempt) AS attempt, any_value(a.parent),
                count(c.commit_id), coalesce(sum(c.events), 0),
                coalesce(any_value(u.batches), 0), coalesce(any_value(u.samples), 0)
         FROM attempts AS a FULL OUTER JOIN per_commit AS c ON a.attempt = c.attempt
         LEFT JOIN (
-            SELECT attempt, count(DISTINCT (rank, batch)) AS batches, count(*) AS samples
+            SELECT attempt, count(DISTINCT (rank, batch)) AS batches,
+                   count(*) FILTER (WHERE {CONSUMED}) AS samples
             FROM uncommitted GROUP BY attempt
         ) AS u ON u.attempt = coalesce(a.attempt, c.attempt)
         GROUP BY 1 ORDER BY 1
@@ -163,9 +168,9 @@ def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
     head = con.execute("SELECT commit_id FROM commits WHERE is_head").fetchone()
     epochs = con.execute(
         f"""
-        SELECT epoch, count(*) FILTER (WHERE kind = 'sample'), {_distinct_ids(con)},
+        SELECT epoch, count(*) FILTER (WHERE {CONSUMED}), {_distinct_ids(con)},
                count(*) FILTER (WHERE kind = 'skip'),
-               max(position) FILTER (WHERE kind = 'sample')
+               max(position) FILTER (WHERE {CONSUMED})
         FROM lineage GROUP BY epoch ORDER BY epoch
         """
     ).fetchall()
@@ -197,11 +202,11 @@ def _distinct_ids(con: duckdb.DuckDBPyConnection) -> str:
     """SQL aggregate counting the distinct sample ids of ``'sample'`` events per group."""
     lo, hi = _one(con, "SELECT min(lo), max(hi) FROM per_commit WHERE in_lineage")
     if lo is None or hi - lo + 1 > _MAX_BITMAP_BITS:
-        return "count(DISTINCT sample_id) FILTER (WHERE kind = 'sample')"
+        return f"count(DISTINCT sample_id) FILTER (WHERE {CONSUMED})"
     # lo and hi are ints read back from DuckDB, so formatting them into SQL is safe.
     return (
         f"coalesce(bit_count(bitstring_agg(sample_id, {int(lo)}, {int(hi)})"
-        " FILTER (WHERE kind = 'sample')), 0)"
+        f" FILTER (WHERE {CONSUMED})), 0)"
     )
 
 

@@ -1,0 +1,616 @@
+"""Streams: shard rows -> per-sample transform -> shuffle buffer -> packing -> batches.
+
+Each rank runs ``max(num_workers, 1)`` *logical workers*. Per epoch, a seeded plan deals
+the shards (in a seeded order) to the ``world_size * workers`` logical workers round
+robin; each logical worker reads its shards in order, row by row, through its own shuffle
+buffer, whose draws come from a counter-based generator keyed by
+``(seed, epoch, rank, worker)``. Every step is deterministic, so the stream of a logical
+worker is a pure function of its state (:class:`ledger.commits.WorkerState`) and its
+buffer's contents.
+
+The main process never sees data it does not consume: it keeps an ids-only *replica* of
+each logical worker (the same :class:`DocFeed` without payloads), folds every consumed
+batch into it, checks that the batch is what the replica predicts, and snapshots the
+replicas at each commit. A resume rebuilds each worker from its replica: it re-reads the
+rows in its buffer and the document its packer was in the middle of, and nothing else.
+
+Shuffle buffer algorithm: the reservoir-style buffer of ``tf.data.Dataset.shuffle``
+(fill to ``size``; then each output is a uniformly drawn slot, refilled with the next
+row; at the end of the stream the remaining slots are drawn without replacement).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ledger.commits import WorkerState
+from ledger.errors import LedgerError
+from ledger.order import EpochOrder, _mix_scalar, derive_key, sample_seeds
+from ledger.stream.source import ShardedSource
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+@dataclass(frozen=True, slots=True)
+class Packer:
+    """Concatenates tokenised samples, each followed by ``eos_id``, into sequences.
+
+    A sample that does not fit is split: the rest starts the next sequence. The last
+    sequence of a logical worker's epoch is padded with ``pad_id`` (its ``sample_ids`` are
+    ``-1`` there), so every token of every sample is served exactly once per epoch.
+
+    Args:
+        seq_len: tokens per sequence (>= 1).
+        eos_id: token appended after each sample.
+        pad_id: token that fills the end of a worker's last sequence of an epoch.
+    """
+
+    seq_len: int
+    eos_id: int = 0
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+
+
+class SampleContext:
+    """What a transform gets besides the record.
+
+    Attributes:
+        sample_id: the sample's id (global row number).
+        epoch: the epoch.
+        draws: values recorded with :meth:`record` (logged with the sample).
+    """
+
+    __slots__ = ("_rng", "_seed", "draws", "epoch", "sample_id")
+
+    def __init__(self, sample_id: int, epoch: int, seed: int) -> None:
+        self.sample_id = sample_id
+        self.epoch = epoch
+        self._seed = seed
+        self._rng: np.random.Generator | None = None
+        self.draws: dict[str, Any] = {}
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """A numpy ``Generator`` (PCG64) seeded from ``(seed, epoch, sample id)``."""
+        if self._rng is None:
+            self._rng = np.random.Generator(np.random.PCG64(self._seed))
+        return self._rng
+
+    def record(self, **values: Any) -> None:
+        """Log JSON-serialisable values with the sample (e.g. the augmentation drawn)."""
+        self.draws.update(values)
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A streaming pipeline to hand to :class:`ledger.DataLoader` instead of a dataset.
+
+    Args:
+        source: the rows.
+        transform: ``f(record: dict, ctx: SampleContext) -> item`` applied to each row as
+            it is read; with a packer the item must be a 1-D sequence of int token ids.
+        shuffle_buffer: shuffle buffer size per logical worker (rows); 0: no buffer.
+        packer: pack items into fixed-length token sequences, or ``None``.
+    """
+
+    source: ShardedSource
+    transform: Callable[[dict[str, Any], SampleContext], Any] | None = None
+    shuffle_buffer: int = 0
+    packer: Packer | None = None
+
+    def __post_init__(self) -> None:
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
+
+    def config(self) -> dict[str, Any]:
+        """What must not change across a resume (stored in ``run.json``)."""
+        return {
+            "source": self.source.fingerprint(),
+            "shuffle_buffer": self.shuffle_buffer,
+            "packer": None
+            if self.packer is None
+            else {
+                "seq_len": self.packer.seq_len,
+                "eos_id": self.packer.eos_id,
+                "pad_id": self.packer.pad_id,
+            },
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class EpochPlan:
+    """Which shards each logical worker reads in one epoch, and the epoch's positions.
+
+    The shard order is a seeded permutation (:class:`ledger.order.EpochOrder` over the
+    shards); shard ``order[i]`` goes to global logical worker ``i % (W * workers)``, where
+    rank ``r``'s worker ``l`` is global worker ``r * workers + l``. ``position`` of a row
+    is its index in the concatenation of the shards in that order.
+
+    Args:
+        source: the rows.
+        seed, epoch, shuffle: as for the loader (``shuffle=False``: shards in path order).
+        world_size: ranks.
+        workers: logical workers per rank (>= 1).
+    """
+
+    source: ShardedSource
+    seed: int
+    epoch: int
+    shuffle: bool
+    world_size: int
+    workers: int
+    order: np.ndarray = field(init=False, repr=False)
+    plan_start: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.source.infos)
+        order = EpochOrder(n, derive_key(self.seed, 0x5A4D), self.epoch, self.shuffle)
+        perm = order.range(0, n)
+        rows = np.diff(self.source.offsets)[perm]
+        start = np.empty(n, np.int64)
+        start[perm] = np.concatenate([[0], np.cumsum(rows)[:-1]]) if n else []
+        object.__setattr__(self, "order", perm)
+        object.__setattr__(self, "plan_start", start)
+
+    def shards(self, rank: int, worker: int) -> list[int]:
+        """Shard indices (into ``source.files``) of a logical worker, in reading order."""
+        total = self.world_size * self.workers
+        return self.order[rank * self.workers + worker :: total].tolist()
+
+    def positions(self, sample_ids: np.ndarray) -> np.ndarray:
+        """Positions (``int64``) of sample ids in this epoch's order."""
+        shards, rows = self.source.locate(sample_ids)
+        return self.plan_start[shards] + rows
+
+
+Loaded = tuple[int, Any]  # (sample id, payload)
+
+
+class DocFeed:
+    """One logical worker's shuffled stream of samples; payloads optional (replica).
+
+    Args:
+        source: the rows (their counts; data is read through ``read``).
+        shards: the worker's shards in reading order.
+        state: where the worker stands.
+        buffer: sample ids in the buffer's slots, in slot order.
+        payloads: payloads of those slots (``None``: a replica, ids only).
+        size: buffer size (rows).
+        key: 64-bit key of the buffer's counter-based generator.
+        read: ``(shard, row) -> iterator of payloads of that shard from that row``;
+            ``None`` for a replica.
+    """
+
+    def __init__(
+        self,
+        source: ShardedSource,
+        shards: list[int],
+        state: WorkerState,
+        buffer: list[int],
+        payloads: list[Any] | None,
+        size: int,
+        key: int,
+        read: Callable[[int, int], Iterator[Any]] | None = None,
+    ) -> None:
+        self.source = source
+        self.shards = shards
+        self.shard = state.shard
+        self.row = state.row
+        self.rows_read = state.rows_read
+        self.draws = state.draws
+        self.emitted = state.emitted
+        self.ids = list(buffer)
+        self.payloads = payloads if payloads is not None else [None] * len(buffer)
+        self.size = size
+        self.key = key
+        self._read = read
+        self._rows: Iterator[Any] | None = None
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        while self.shard < len(self.shards) and self.row >= self.source.shard_rows(
+            self.shards[self.shard]
+        ):
+            self.shard += 1
+            self.row = 0
+            self._rows = None
+
+    def has_rows(self) -> bool:
+        return self.shard < len(self.shards)
+
+    def exhausted(self) -> bool:
+        """No row left to read and nothing in the buffer."""
+        return not self.has_rows() and not self.ids
+
+    def _next_row(self) -> Loaded:
+        file = self.shards[self.shard]
+        sid = int(self.source.offsets[file]) + self.row
+        payload = None
+        if self._read is not None:
+            if self._rows is None:
+                self._rows = self._read(file, self.row)
+            payload = next(self._rows)
+        self.row += 1
+        self.rows_read += 1
+        self._skip_empty()
+        return sid, payload
+
+    def _draw(self, n: int) -> int:
+        j = _mix_scalar((self.key + self.draws * _GOLDEN) & _M64) % n
+        self.draws += 1
+        return j
+
+    def next(self) -> Loaded | None:
+        """The next sample of the shuffled stream, or ``None`` at the end of the epoch."""
+        if self.size == 0:
+            if not self.has_rows():
+                return None
+            self.emitted += 1
+            return self._next_row()
+        while len(self.ids) < self.size and self.has_rows():
+            sid, payload = self._next_row()
+            self.ids.append(sid)
+            self.payloads.append(payload)
+        if not self.ids:
+            return None
+        j = self._draw(len(self.ids))
+        out = (self.ids[j], self.payloads[j])
+        if self.has_rows():
+            self.ids[j], self.payloads[j] = self._next_row()
+        else:  # drain: remove slot j, keep the others in order of their slots
+            self.ids[j], self.payloads[j] = self.ids[-1], self.payloads[-1]
+            self.ids.pop()
+            self.payloads.pop()
+        self.emitted += 1
+        return out
+
+    def state(self, worker: int, doc: tuple[int, int, int] | None) -> WorkerState:
+        """The worker's state now; ``doc`` is the packer's ``(sample id, offset, length)``."""
+        d = doc if doc is not None else (-1, 0, 0)
+        return WorkerState(
+            worker, self.shard, self.row, self.rows_read, self.draws, self.emitted, *d
+        )
+
+
+def buffer_key(seed: int, epoch: int, rank: int, worker: int) -> int:
+    """Key of the shuffle buffer of logical ``worker`` on ``rank`` in ``epoch``."""
+    return derive_key(seed, epoch, rank, worker, 0xB0F)
+
+
+@dataclass(slots=True)
+class BatchMeta:
+    """What a worker sends with each batch: enough for the main process to log it.
+
+    Attributes:
+        worker: logical worker id.
+        epoch: epoch.
+        sample_ids: ``int64 (rows,)``: one per sample (no packing) or per span.
+        spans: ``int64 (rows, 3)``: ``token_start, token_end, length`` per span, or
+            ``None`` without packing.
+        draws: per row, the JSON of the draws recorded for the sample, or ``None``.
+    """
+
+    worker: int
+    epoch: int
+    sample_ids: np.ndarray
+    spans: np.ndarray | None
+    draws: list[str | None]
+
+
+class Replica:
+    """Ids-only mirror of one logical worker, folded from the batches consumed from it."""
+
+    def __init__(self, feed: DocFeed, worker: int, doc: tuple[int, int, int] | None) -> None:
+        self.feed = feed
+        self.worker = worker
+        self.doc = doc
+
+    def exhausted(self) -> bool:
+        return self.feed.exhausted() and self.doc is None
+
+    def state(self) -> WorkerState:
+        return self.feed.state(self.worker, self.doc)
+
+    def fold(self, meta: BatchMeta) -> None:
+        """Advance by one consumed batch, checking it is what the plan predicts.
+
+        Raises:
+            LedgerError: if the batch differs from the prediction (the data or the
+                worker's code is not deterministic).
+        """
+        ids = meta.sample_ids.tolist()
+        if meta.spans is None:
+            for sid in ids:
+                self._expect(sid)
+            return
+        for sid, (start, end, length) in zip(ids, meta.spans.tolist(), strict=True):
+            if start == 0:
+                self._expect(sid)
+            elif self.doc is None or self.doc[:2] != (sid, start):
+                raise LedgerError(
+                    f"worker {self.worker} packed tokens [{start}, {end}) of sample {sid}, "
+                    f"but its packer was at {self.doc}"
+                )
+            self.doc = (sid, end, length) if end < length else None
+
+    def _expect(self, sid: int) -> None:
+        nxt = self.feed.next()
+        if nxt is None or nxt[0] != sid:
+            raise LedgerError(
+                f"worker {self.worker} produced sample {sid}, but the plan says "
+                f"{nxt[0] if nxt else 'the end of its epoch'}: the pipeline is not "
+                "deterministic (changed data, or a transform that changes the order)"
+            )
+
+
+class WorkerRun:
+    """The real pipeline of one logical worker: reads, transforms, shuffles, packs, batches.
+
+    Args:
+        stream: the stream.
+        plan: the epoch's plan.
+        rank: the rank.
+        worker: logical worker id.
+        state: where the worker starts.
+        buffer: sample ids in its buffer (from the log), in slot order.
+        seed: the run's seed.
+        batch_size: items per batch.
+        collate_fn: collates the items of a batch (no packing).
+        per_sample_rng: also seed torch, numpy and ``random`` per sample.
+    """
+
+    def __init__(
+        self,
+        stream: Stream,
+        plan: EpochPlan,
+        rank: int,
+        worker: int,
+        state: WorkerState,
+        buffer: list[int],
+        seed: int,
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any],
+        per_sample_rng: bool,
+    ) -> None:
+        self.stream = stream
+        self.epoch = plan.epoch
+        self.worker = worker
+        self.seed = seed
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn
+        self.per_sample_rng = per_sample_rng
+        source = stream.source
+        payloads = [self._load(s, r) for s, r in zip(buffer, source.read(buffer), strict=True)]
+        self.feed = DocFeed(
+            source,
+            plan.shards(rank, worker),
+            state,
+            buffer,
+            payloads,
+            stream.shuffle_buffer,
+            buffer_key(seed, plan.epoch, rank, worker),
+            self._read,
+        )
+        self.doc: tuple[int, np.ndarray, int, str | None] | None = None
+        if state.doc >= 0:
+            item, draws = self._load(state.doc, source.read([state.doc])[0])
+            self.doc = (state.doc, item, state.doc_offset, draws)
+
+    def _read(self, shard: int, row: int) -> Iterator[tuple[Any, str | None]]:
+        base = int(self.stream.source.offsets[shard]) + row
+        for i, record in enumerate(self.stream.source.iter_shard(shard, row)):
+            yield self._load(base + i, record)
+
+    def _load(self, sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
+        seed = int(sample_seeds(self.seed, self.epoch, np.array([sid]))[0])
+        if self.per_sample_rng:
+            torch.default_generator.manual_seed(seed)
+            np.random.seed(seed & 0xFFFFFFFF)
+            random.seed(seed)
+        ctx = SampleContext(sid, self.epoch, seed)
+        item = self.stream.transform(record, ctx) if self.stream.transform else record
+        if self.stream.packer is not None:
+            tokens = np.asarray(item, dtype=np.int64).reshape(-1)
+            item = np.append(tokens, np.int64(self.stream.packer.eos_id))
+        draws = json.dumps(ctx.draws, sort_keys=True) if ctx.draws else None
+        return item, draws
+
+    def batches(self) -> Iterator[tuple[BatchMeta, Any]]:
+        """``(meta, collated batch)`` until the worker's epoch ends (last batch may be short)."""
+        while True:
+            if self.stream.packer is None:
+                meta, data = self._items()
+            else:
+                meta, data = self._sequences()
+            if meta.sample_ids.size == 0 and not data:
+                return
+            yield meta, data if self.stream.packer is not None else self.collate_fn(data)
+
+    def _items(self) -> tuple[BatchMeta, Any]:
+        ids: list[int] = []
+        items: list[Any] = []
+        draws: list[str | None] = []
+        while len(items) < self.batch_size:
+            nxt = self.feed.next()
+            if nxt is None:
+                break
+            ids.append(nxt[0])
+            items.append(nxt[1][0])
+            draws.append(nxt[1][1])
+        return BatchMeta(self.worker, self.epoch, np.array(ids, np.int64), None, draws), items
+
+    def _sequences(self) -> tuple[BatchMeta, Any]:
+        packer = self.stream.packer
+        assert packer is not None
+        length = packer.seq_len
+        tokens: list[np.ndarray] = []
+        owners: list[np.ndarray] = []
+        ids: list[int] = []
+        spans: list[tuple[int, int, int]] = []
+        draws: list[str | None] = []
+        while len(tokens) < self.batch_size:
+            seq = np.full(length, packer.pad_id, np.int64)
+            owner = np.full(length, -1, np.int64)
+            n = 0
+            while n < length:
+                if self.doc is None or self.doc[2] == len(self.doc[1]):
+                    nxt = self.feed.next()
+                    if nxt is None:
+                        break
+                    self.doc = (nxt[0], nxt[1][0], 0, nxt[1][1])
+                sid, doc, off, dr = self.doc
+                take = min(length - n, len(doc) - off)
+                seq[n : n + take] = doc[off : off + take]
+                owner[n : n + take] = sid
+                ids.append(sid)
+                spans.append((off, off + take, len(doc)))
+                draws.append(dr if off == 0 else None)
+                self.doc = (sid, doc, off + take, dr)
+                n += take
+            if n == 0:
+                break
+            tokens.append(seq)
+            owners.append(owner)
+        meta = BatchMeta(
+            self.worker,
+            self.epoch,
+            np.array(ids, np.int64),
+            np.array(spans, np.int64).reshape(-1, 3),
+            draws,
+        )
+        if not tokens:
+            return meta, None
+        data = {
+            "tokens": torch.from_numpy(np.stack(tokens)),
+            "sample_ids": torch.from_numpy(np.stack(owners)),
+        }
+        return meta, data
+
+
+def fresh_workers(workers: int) -> tuple[WorkerState, ...]:
+    """States of ``workers`` logical workers at the start of an epoch."""
+    return tuple(WorkerState(w) for w in range(workers))
+
+
+def replicas(
+    stream: Stream,
+    plan: EpochPlan,
+    rank: int,
+    seed: int,
+    states: tuple[WorkerState, ...],
+    buffers: dict[int, list[int]],
+) -> list[Replica]:
+    """Ids-only replicas of a rank's logical workers at the given states and buffers."""
+    out = []
+    for st in states:
+        feed = DocFeed(
+            stream.source,
+            plan.shards(rank, st.worker),
+            st,
+            buffers.get(st.worker, []),
+            None,
+            stream.shuffle_buffer,
+            buffer_key(seed, plan.epoch, rank, st.worker),
+        )
+        doc = (st.doc, st.doc_offset, st.doc_length) if st.doc >= 0 else None
+        out.append(Replica(feed, st.worker, doc))
+    return out
+
+
+def next_worker(reps: list[Replica], after: int) -> int:
+    """The first logical worker after ``after`` (cyclically) that is not exhausted; -1 if none."""
+    n = len(reps)
+    for step in range(1, n + 1):
+        w = (after + step) % n
+        if not reps[w].exhausted():
+            return w
+    return -1
+
+
+class StreamDataset(torch.utils.data.IterableDataset):
+    """What torch's DataLoader iterates: each (physical) worker runs one logical worker.
+
+    Physical worker ``p`` plays logical worker ``(p + start.next_worker) % workers``, so
+    after a resume the worker whose batch comes first is the one that was next in the
+    uninterrupted run (torch serves workers round robin, skipping finished ones).
+    The loader sets :attr:`start` and :attr:`buffers` before each iteration.
+    """
+
+    def __init__(
+        self,
+        stream: Stream,
+        seed: int,
+        shuffle: bool,
+        rank: int,
+        world_size: int,
+        workers: int,
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any],
+        per_sample_rng: bool,
+    ) -> None:
+        self.stream = stream
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rank = rank
+        self.world_size = world_size
+        self.workers = workers
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn
+        self.per_sample_rng = per_sample_rng
+        self.start: Any = None  # PipelineState
+        self.buffers: dict[int, list[int]] = {}
+
+    def plan(self, epoch: int) -> EpochPlan:
+        return EpochPlan(
+            self.stream.source, self.seed, epoch, self.shuffle, self.world_size, self.workers
+        )
+
+    def __iter__(self) -> Iterator[tuple[BatchMeta, Any]]:
+        info = torch.utils.data.get_worker_info()
+        start = self.start
+        worker = ((info.id if info is not None else 0) + start.next_worker) % self.workers
+        run = WorkerRun(
+            self.stream,
+            self.plan(start.epoch),
+            self.rank,
+            worker,
+            start.workers[worker],
+            self.buffers.get(worker, []),
+            self.seed,
+            self.batch_size,
+            self.collate_fn,
+            self.per_sample_rng,
+        )
+        batches = run.batches()
+        while True:
+            # In the main process the global RNGs belong to the training loop: per-sample
+            # seeding must not leak into it.
+            saved = None
+            if info is None and self.per_sample_rng:
+                saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+            try:
+                item = next(batches, None)
+            finally:
+                if saved is not None:
+                    torch.set_rng_state(saved[0])
+                    np.random.set_state(saved[1])
+                    random.setstate(saved[2])
+            if item is None:
+                return
+            yield item
+
+
+def identity(item: Any) -> Any:
+    """Collate function for pre-batched items (module level: picklable for workers)."""
+    return item

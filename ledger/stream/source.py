@@ -1,0 +1,245 @@
+"""Sharded sources: Parquet and JSONL files as one table of rows with stable sample ids.
+
+The sample id of a row is its global row number over the sorted file list. Rows can be
+read sequentially (a shard at a time, a row group at a time) or by id (random access, a
+row group or a line range per read), so a resume re-reads only what it needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from ledger.errors import ConfigMismatch
+from ledger.store import Files
+
+_JSONL_BLOCK = 1024  # lines read per request when streaming a JSONL shard
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    """What identifies one shard in the dataset fingerprint.
+
+    Attributes:
+        path: the file's path (as the filesystem names it).
+        size: bytes.
+        rows: rows (Parquet) or non-empty lines (JSONL).
+        digest: hex SHA-256 of the Parquet footer (row group sizes and column
+            statistics) or of the whole JSONL file.
+    """
+
+    path: str
+    size: int
+    rows: int
+    digest: str
+
+
+class ShardedSource:
+    """Rows of Parquet and JSONL shards, addressed by global row number.
+
+    Args:
+        urls: a path/URI, a glob, or a list of them; files are sorted by path.
+            ``.parquet`` files are read with pyarrow; ``.jsonl`` / ``.json`` files hold
+            one JSON object per line.
+        columns: Parquet columns to read (default: all).
+        storage_options: fsspec options (credentials, endpoint) for remote URIs.
+
+    Raises:
+        FileNotFoundError: if a URI or glob matches no file.
+        ValueError: if a file is neither Parquet nor JSONL.
+
+    Note:
+        Construction reads every Parquet footer and every JSONL file once (to count and
+        index its lines).
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        columns: Sequence[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._files = Files(urls if isinstance(urls, str) else list(urls), storage_options)
+        self.columns = list(columns) if columns is not None else None
+        infos: list[FileInfo] = []
+        self._row_groups: list[np.ndarray] = []  # Parquet: first row of each row group
+        self._lines: list[np.ndarray] = []  # JSONL: byte offset of each line, plus the end
+        for path in self._files.paths:
+            if path.endswith(".parquet"):
+                infos.append(self._index_parquet(path))
+            elif path.endswith((".jsonl", ".json")):
+                infos.append(self._index_jsonl(path))
+            else:
+                raise ValueError(f"{path} is neither .parquet nor .jsonl")
+        self.infos = tuple(infos)
+        rows = np.array([i.rows for i in infos], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        self._cache: tuple[int, int, list[dict[str, Any]]] | None = None
+
+    # -------------------------------------------------------------- metadata
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """Paths of the shards, sorted."""
+        return tuple(self._files.paths)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows over all shards (= the number of sample ids)."""
+        return int(self.offsets[-1])
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def shard_rows(self, shard: int) -> int:
+        """Rows of shard ``shard``."""
+        return int(self.offsets[shard + 1] - self.offsets[shard])
+
+    def locate(self, sample_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Shard index and row within the shard of each id (``int64`` arrays)."""
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        shards = np.searchsorted(self.offsets, ids, side="right") - 1
+        return shards, ids - self.offsets[shards]
+
+    def fingerprint(self) -> list[dict[str, Any]]:
+        """JSON form of the shards' :class:`FileInfo`, stored in ``run.json``."""
+        return [
+            {"path": i.path, "size": i.size, "rows": i.rows, "digest": i.digest} for i in self.infos
+        ]
+
+    def check(self, logged: list[dict[str, Any]]) -> None:
+        """Compare this source with the fingerprint a log recorded.
+
+        Raises:
+            ConfigMismatch: naming the first differing file and what differs.
+        """
+        mine = self.fingerprint()
+        for i in range(max(len(mine), len(logged))):
+            want = logged[i] if i < len(logged) else None
+            got = mine[i] if i < len(mine) else None
+            if want == got:
+                continue
+            if want is None or got is None or want["path"] != got["path"]:
+                raise ConfigMismatch(
+                    f"shard {i}",
+                    want["path"] if want else None,
+                    got["path"] if got else None,
+                    "The file list changed since the run started: resume with the original "
+                    "files, or start a new run under a new log root.",
+                )
+            what = next(k for k in ("size", "rows", "digest") if want[k] != got[k])
+            raise ConfigMismatch(
+                f"{want['path']} {what}",
+                want[what],
+                got[what],
+                f"The contents of {want['path']} changed since the run started: restore "
+                "the original file, or start a new run under a new log root.",
+            )
+
+    # -------------------------------------------------------------- reading
+
+    def iter_shard(self, shard: int, start_row: int = 0) -> Iterator[dict[str, Any]]:
+        """Rows of shard ``shard`` from ``start_row`` on, as dicts, read block by block."""
+        path = self._files.paths[shard]
+        if path.endswith(".parquet"):
+            starts = self._row_groups[shard]
+            first = int(np.searchsorted(starts, start_row, side="right") - 1)
+            with self._files.open(path) as f:
+                pf = pq.ParquetFile(f)
+                for g in range(max(first, 0), pf.num_row_groups):
+                    rows = pf.read_row_group(g, columns=self.columns).to_pylist()
+                    skip = start_row - int(starts[g]) if g == first else 0
+                    yield from rows[skip:]
+        else:
+            lines = self._lines[shard]
+            for lo in range(start_row, len(lines) - 1, _JSONL_BLOCK):
+                hi = min(lo + _JSONL_BLOCK, len(lines) - 1)
+                yield from self._jsonl_rows(shard, lo, hi)
+
+    def read(self, sample_ids: Sequence[int] | np.ndarray) -> list[dict[str, Any]]:
+        """Rows by sample id, in the order given (random access).
+
+        Reads one Parquet row group (or one JSONL line range) per group of ids that
+        share it; the last row group read is cached.
+
+        Raises:
+            IndexError: if an id is outside ``[0, num_rows)``.
+        """
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_rows):
+            raise IndexError(f"sample ids must be in [0, {self.num_rows})")
+        shards, rows = self.locate(ids)
+        out: list[dict[str, Any]] = []
+        for shard, row in zip(shards.tolist(), rows.tolist(), strict=True):
+            out.append(self._row(shard, row))
+        return out
+
+    def _row(self, shard: int, row: int) -> dict[str, Any]:
+        path = self._files.paths[shard]
+        if path.endswith(".parquet"):
+            starts = self._row_groups[shard]
+            g = int(np.searchsorted(starts, row, side="right") - 1)
+            if self._cache is None or self._cache[:2] != (shard, g):
+                with self._files.open(path) as f:
+                    rows = pq.ParquetFile(f).read_row_group(g, columns=self.columns).to_pylist()
+                self._cache = (shard, g, rows)
+            return self._cache[2][row - int(starts[g])]
+        return self._jsonl_rows(shard, row, row + 1)[0]
+
+    def _jsonl_rows(self, shard: int, lo: int, hi: int) -> list[dict[str, Any]]:
+        lines = self._lines[shard]
+        data = self._files.read_range(self._files.paths[shard], int(lines[lo]), int(lines[hi]))
+        base = int(lines[lo])
+        return [
+            json.loads(data[int(lines[i]) - base : int(lines[i + 1]) - base]) for i in range(lo, hi)
+        ]
+
+    # -------------------------------------------------------------- indexing
+
+    def _index_parquet(self, path: str) -> FileInfo:
+        size = self._files.size(path)
+        with self._files.open(path) as f:
+            meta = pq.ParquetFile(f).metadata
+        counts = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        self._row_groups.append(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+        self._lines.append(np.zeros(0, np.int64))
+        tail = self._files.read_range(path, size - 8, size)
+        footer_len = int.from_bytes(tail[:4], "little")
+        footer = self._files.read_range(path, size - 8 - footer_len, size - 8)
+        return FileInfo(path, size, int(meta.num_rows), hashlib.sha256(footer).hexdigest())
+
+    def _index_jsonl(self, path: str) -> FileInfo:
+        data = self._files.read(path)
+        buf = np.frombuffer(data, dtype=np.uint8)
+        ends = np.flatnonzero(buf == ord("\n")) + 1
+        if len(data) and data[-1:] != b"\n":
+            ends = np.append(ends, len(data))
+        starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        # Blank lines are not rows.
+        keep = np.array(
+            [data[s:e].strip() != b"" for s, e in zip(starts, ends, strict=True)], dtype=bool
+        )
+        offsets = np.append(starts[keep], 0)
+        # A row's bytes run to the start of the next row; the last one to the file end.
+        offsets[-1] = len(data)
+        self._lines.append(offsets.astype(np.int64))
+        self._row_groups.append(np.zeros(1, np.int64))
+        return FileInfo(path, len(data), int(keep.sum()), hashlib.sha256(data).hexdigest())
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: getattr(self, k) for k in ("_files", "columns", "infos", "offsets")}
+        state["_row_groups"] = self._row_groups
+        state["_lines"] = self._lines
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+        self._cache = None

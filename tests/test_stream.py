@@ -1,0 +1,274 @@
+"""Streams: sharded sources, shuffle buffers and packing, exact on resume."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import ledger
+from ledger.audit import connect
+from ledger.errors import ConfigMismatch
+from ledger.stream import Packer, SampleContext, ShardedSource, Stream
+from ledger.stream.source import ShardedSource as _Source
+from ledger.testing import assert_resume_exact, take
+
+SHARD_ROWS = (7, 5, 3)  # unequal, with a short final shard; plus a JSONL shard of 4
+TOTAL = sum(SHARD_ROWS) + 4
+
+
+def _text(i: int) -> str:
+    return f"doc {i} " + "abcdefghij"[: i % 11]
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """Three Parquet shards (row groups of 2 rows) and one JSONL shard; 19 rows."""
+    d = tmp_path / "shards"
+    d.mkdir()
+    k = 0
+    for s, n in enumerate(SHARD_ROWS):
+        table = pa.table({"text": [_text(k + i) for i in range(n)], "id": list(range(k, k + n))})
+        pq.write_table(table, d / f"part-{s}.parquet", row_group_size=2)
+        k += n
+    with open(d / "part-3.jsonl", "w") as f:
+        for i in range(k, k + 4):
+            f.write(json.dumps({"text": _text(i), "id": i}) + "\n")
+    return str(d)
+
+
+def tokenize(record, ctx: SampleContext):
+    ctx.record(flip=int(ctx.rng.integers(0, 2)))
+    return np.frombuffer(record["text"].encode(), np.uint8).astype(np.int64) + 1
+
+
+def texts(rows):
+    return [r["text"] for r in rows]
+
+
+def test_source_ids_are_global_row_numbers(shards):
+    source = ShardedSource(os.path.join(shards, "*"))
+    assert [os.path.basename(f) for f in source.files] == [
+        "part-0.parquet",
+        "part-1.parquet",
+        "part-2.parquet",
+        "part-3.jsonl",
+    ]
+    assert source.num_rows == TOTAL
+    ids = [18, 0, 7, 14, 15, 3]
+    assert [r["id"] for r in source.read(ids)] == ids
+    assert [r["id"] for r in source.iter_shard(1, 2)] == [9, 10, 11]
+    assert [r["id"] for r in source.iter_shard(3, 1)] == [16, 17, 18]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+@pytest.mark.parametrize("buffer", [0, 5])
+@pytest.mark.parametrize("packing", [False, True])
+def test_resume_exact_from_every_batch(shards, tmp_path, num_workers, buffer, packing):
+    source = ShardedSource(os.path.join(shards, "*"))
+    stream = Stream(
+        source,
+        transform=tokenize if packing else None,
+        shuffle_buffer=buffer,
+        packer=Packer(seq_len=8, eos_id=0, pad_id=0) if packing else None,
+    )
+    root = str(tmp_path / "log")
+
+    def make():
+        return ledger.DataLoader(
+            stream,
+            batch_size=3,
+            shuffle=True,
+            seed=4,
+            log=root,
+            num_workers=num_workers,
+            collate_fn=None if packing else texts,
+        )
+
+    loader = make()
+    per_epoch = [sum(1 for _ in loader) for _ in range(2)]
+    assert per_epoch[0] > 0
+    assert assert_resume_exact(make, batches=per_epoch[0] + per_epoch[1] // 2) > 0
+
+
+def test_every_sample_once_per_epoch_and_shuffled(shards, root):
+    source = ShardedSource(os.path.join(shards, "*"))
+    loader = ledger.DataLoader(
+        Stream(source, shuffle_buffer=4),
+        batch_size=4,
+        shuffle=True,
+        seed=0,
+        log=root,
+        collate_fn=lambda rows: [r["id"] for r in rows],
+    )
+    epochs = [[i for b in loader for i in b] for _ in range(2)]
+    for ids in epochs:
+        assert sorted(ids) == list(range(TOTAL))
+    assert epochs[0] != sorted(epochs[0]) and epochs[0] != epochs[1]
+    assert loader.epoch == 2
+
+
+def test_packing_serves_every_token_once_and_spans_say_so(shards, root):
+    source = ShardedSource(os.path.join(shards, "*"))
+    stream = Stream(source, transform=tokenize, shuffle_buffer=3, packer=Packer(seq_len=8))
+    loader = ledger.DataLoader(stream, batch_size=2, shuffle=True, seed=1, log=root, num_workers=2)
+    served = {}
+    for batch in loader:
+        tokens, owners = batch["tokens"].numpy(), batch["sample_ids"].numpy()
+        assert tokens.shape[1] == 8
+        for sid in np.unique(owners[owners >= 0]):
+            served.setdefault(int(sid), []).append(tokens[owners == sid])
+    loader.state_dict()
+    for sid, row in enumerate(source.read(range(TOTAL))):
+        expected = np.append(np.frombuffer(row["text"].encode(), np.uint8).astype(np.int64) + 1, 0)
+        assert np.array_equal(np.concatenate(served[sid]), expected), sid
+    # The log accounts for every token of every document exactly once in the epoch.
+    con = connect(root)
+    per_doc = con.execute(
+        """
+        SELECT sample_id, sum(token_end - token_start), any_value(length),
+               count(*) FILTER (WHERE token_start = 0), min(token_start), max(token_end)
+        FROM lineage WHERE kind = 'span' AND epoch = 0 GROUP BY 1 ORDER BY 1
+        """
+    ).fetchall()
+    assert [r[0] for r in per_doc] == list(range(TOTAL))
+    for sid, tokens, length, starts, lo, hi in per_doc:
+        assert (tokens, starts, lo, hi) == (length, 1, 0, length), sid
+    draws = con.execute(
+        "SELECT count(*) FROM lineage WHERE kind = 'span' AND token_start = 0 "
+        "AND value LIKE '{\"flip\": _}'"
+    ).fetchone()
+    assert draws == (TOTAL,)
+
+
+def test_record_values_land_in_the_log(shards, root):
+    source = ShardedSource(os.path.join(shards, "*"))
+
+    def transform(record, ctx):
+        flip = int(ctx.rng.integers(0, 1000))
+        ctx.record(flip=flip, epoch=ctx.epoch)
+        return {"id": record["id"], "flip": flip}
+
+    loader = ledger.DataLoader(
+        Stream(source, transform=transform),
+        batch_size=5,
+        seed=2,
+        log=root,
+        collate_fn=lambda items: items,
+    )
+    seen = {item["id"]: item["flip"] for b in loader for item in b}
+    loader.state_dict()
+    rows = (
+        connect(root)
+        .execute("SELECT sample_id, value FROM lineage WHERE kind = 'sample'")
+        .fetchall()
+    )
+    assert {sid: json.loads(v) for sid, v in rows} == {
+        sid: {"epoch": 0, "flip": flip} for sid, flip in seen.items()
+    }
+
+
+def test_resume_rereads_only_the_buffer_and_one_row_group(shards, root, monkeypatch):
+    source = ShardedSource(os.path.join(shards, "*"))
+    stream = Stream(source, shuffle_buffer=4)
+
+    def make():
+        return ledger.DataLoader(
+            stream, batch_size=2, shuffle=True, seed=3, log=root, collate_fn=texts
+        )
+
+    loader = make()
+    list(take(loader, 4))
+    token = loader.state_dict()
+    reads = []
+    real_iter, real_read = _Source.iter_shard, _Source.read
+
+    def counting_iter(self, shard, start_row=0):
+        for row in real_iter(self, shard, start_row):
+            reads.append(("stream", shard))
+            yield row
+
+    def counting_read(self, ids):
+        reads.extend(("random", int(i)) for i in ids)
+        return real_read(self, ids)
+
+    monkeypatch.setattr(_Source, "iter_shard", counting_iter)
+    monkeypatch.setattr(_Source, "read", counting_read)
+    resumed = make()
+    resumed.load_state_dict(token)
+    next(iter(resumed))
+    random_reads = [r for r in reads if r[0] == "random"]
+    stream_reads = [r for r in reads if r[0] == "stream"]
+    assert len(random_reads) == 4  # exactly the buffer's rows
+    assert len(stream_reads) <= 2  # the next rows of the shard being read: one row group
+
+
+def test_changed_file_contents_are_refused_naming_the_file(shards, root):
+    source = ShardedSource(os.path.join(shards, "*"))
+    loader = ledger.DataLoader(
+        Stream(source, shuffle_buffer=2), batch_size=2, log=root, collate_fn=texts
+    )
+    list(take(loader, 2))
+    token = loader.state_dict()
+    path = os.path.join(shards, "part-1.parquet")
+    table = pq.read_table(path)
+    pq.write_table(
+        table.set_column(0, "text", pa.array(["changed"] * len(table))), path, row_group_size=2
+    )
+    changed = ledger.DataLoader(
+        Stream(ShardedSource(os.path.join(shards, "*")), shuffle_buffer=2),
+        batch_size=2,
+        log=root,
+        collate_fn=texts,
+    )
+    with pytest.raises(ConfigMismatch, match=r"part-1\.parquet"):
+        changed.load_state_dict(token)
+
+
+def test_changed_file_list_is_refused_naming_the_file(shards, root):
+    source = ShardedSource(os.path.join(shards, "*"))
+    loader = ledger.DataLoader(Stream(source), batch_size=2, log=root, collate_fn=texts)
+    list(take(loader, 1))
+    token = loader.state_dict()
+    os.remove(os.path.join(shards, "part-2.parquet"))
+    fewer = ledger.DataLoader(
+        Stream(ShardedSource(os.path.join(shards, "*"))), batch_size=2, log=root, collate_fn=texts
+    )
+    with pytest.raises(ConfigMismatch, match=r"part-2\.parquet") as info:
+        fewer.load_state_dict(token)
+    assert "part-3.jsonl" in str(info.value)  # what stands there now
+
+
+def test_changed_buffer_or_workers_is_refused(shards, root):
+    source = ShardedSource(os.path.join(shards, "*"))
+    loader = ledger.DataLoader(
+        Stream(source, shuffle_buffer=2), batch_size=2, log=root, collate_fn=texts, num_workers=2
+    )
+    list(take(loader, 1))
+    token = loader.state_dict()
+    other = ledger.DataLoader(
+        Stream(source, shuffle_buffer=3), batch_size=2, log=root, collate_fn=texts, num_workers=2
+    )
+    with pytest.raises(ConfigMismatch, match="shuffle_buffer=2"):
+        other.load_state_dict(token)
+    fewer = ledger.DataLoader(
+        Stream(source, shuffle_buffer=2), batch_size=2, log=root, collate_fn=texts, num_workers=1
+    )
+    with pytest.raises(ConfigMismatch, match="workers=2"):
+        fewer.load_state_dict(token)
+
+
+def test_missing_source_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="matches no data file"):
+        ShardedSource(str(tmp_path / "*.parquet"))
+
+
+def test_stream_rejects_drop_last(shards, root):
+    with pytest.raises(ValueError, match="drop_last"):
+        ledger.DataLoader(
+            Stream(ShardedSource(os.path.join(shards, "*"))), batch_size=2, log=root, drop_last=True
+        )
