@@ -177,17 +177,16 @@ def _print_summary(s: Summary, fmt: str) -> None:
     console.print(
         f"{len(s.attempts)} attempts, {s.commits} commits, head {s.head or '-'}", soft_wrap=True
     )
-    attempts = Table(
-        "attempt", "parent", "commits", "events", "uncommitted batches", title="Attempts"
-    )
+    attempts = Table(title="Attempts")
+    attempts.add_column("attempt")
+    attempts.add_column("parent", min_width=17, no_wrap=True)  # commit ids are copied whole
+    for name in ("ranks", "commits", "events", "uncommitted batches"):
+        attempts.add_column(name)
     for a in s.attempts:
         attempts.add_row(
-            str(a.attempt),
-            a.parent or "-",
-            str(a.commits),
-            str(a.events),
+            str(a.attempt), a.parent or "-", str(a.world_size), str(a.commits), str(a.events),
             str(a.uncommitted_batches),
-        )
+        )  # fmt: skip
     console.print(attempts)
     epochs = Table(
         "epoch", "samples", "distinct", "coverage", "duplicates", "skipped",
@@ -206,6 +205,25 @@ def _print_summary(s: Summary, fmt: str) -> None:
         "samples seen by discarded models",
         soft_wrap=True,
     )
+    if len(s.ranks) > 1 or s.skew is not None:
+        ranks = Table(
+            "rank", "epoch", "epoch batch", "batches", "samples", "behind",
+            title=f"Ranks at {s.head or '-'}",
+        )  # fmt: skip
+        for r in s.ranks:
+            ranks.add_row(
+                str(r.rank), str(r.epoch), str(r.epoch_batch), str(r.batch), str(r.samples),
+                str(r.behind),
+            )  # fmt: skip
+        console.print(ranks)
+        stragglers = [str(r.rank) for r in s.ranks if r.behind]
+        console.print(f"stragglers: {', '.join(stragglers) or 'none'}", soft_wrap=True)
+    if s.skew is not None:
+        console.print(
+            f"largest skew: {s.skew.samples} samples and {s.skew.epochs} epochs between the "
+            f"{s.skew.world_size} ranks of commit {s.skew.commit}",
+            soft_wrap=True,
+        )
 
 
 if __name__ == "__main__":

@@ -87,6 +87,8 @@ class PipelineState:
         workers: streams only: the state of each logical worker (the shuffle buffers'
             contents are logged as ``buffer`` events at each commit).
         next_worker: streams only: the logical worker whose batch comes next.
+        epoch_start: position where the current world size began stepping through
+            ``epoch`` (0 unless the epoch was resumed with another world size).
     """
 
     rank: int = 0
@@ -95,6 +97,7 @@ class PipelineState:
     batch: int = 0
     workers: tuple[WorkerState, ...] = ()
     next_worker: int = 0
+    epoch_start: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PipelineState:
@@ -105,6 +108,7 @@ class PipelineState:
             int(d["batch"]),
             tuple(WorkerState(**w) for w in d.get("workers", ())),
             int(d.get("next_worker", 0)),
+            int(d.get("epoch_start", 0)),
         )
 
 
@@ -118,6 +122,10 @@ _HINTS = {
     "order": "The epoch-order algorithm of this ledger version differs from the log's: resume "
     "with the ledger version that wrote the log.",
 }
+
+
+# Recorded in run.json but free to change between attempts (elastic resume).
+ELASTIC_KEYS = ("world_size",)
 
 
 def open_run(store: Store, config: dict[str, Any]) -> str:
@@ -148,7 +156,7 @@ def open_run(store: Store, config: dict[str, Any]) -> str:
             pass  # another process created it first: check against theirs
     existing = _load(store, RUN_FILE)
     logged: dict[str, Any] = existing["config"]
-    for key in sorted(set(logged) | set(config)):
+    for key in sorted((set(logged) | set(config)) - set(ELASTIC_KEYS)):
         if logged.get(key) != config.get(key):
             raise ConfigMismatch(key, logged.get(key), config.get(key), _HINTS.get(key, ""))
     return str(existing["run_id"])

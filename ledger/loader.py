@@ -20,7 +20,7 @@ import os
 import random
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,7 +31,7 @@ from ledger.commits import Commit, PipelineState, read_run
 from ledger.errors import ConfigMismatch, LedgerError, TokenError, WrongRoot
 from ledger.log import Ledger
 from ledger.order import BatchPlan, EpochOrder, sample_seeds
-from ledger.replay import advance, replay
+from ledger.replay import advance, replay, resume_elastic
 from ledger.schema import ORDER_ALGORITHM, SAMPLE, SKIP, EventChunk
 from ledger.store import Store
 from ledger.stream.driver import StreamDriver
@@ -120,12 +120,13 @@ class _Requests:
         self._loader = loader
 
     def __len__(self) -> int:
-        return self._loader._plan.batches_per_epoch - self._loader._state.epoch_batch
+        state = self._loader._state
+        return self._loader._plan_at(state).batches_per_epoch - state.epoch_batch
 
     def __iter__(self) -> Iterator[tuple[int, int, int, np.ndarray]]:
         loader = self._loader
-        plan = loader._plan
         state = loader._state
+        plan = loader._plan_at(state)
         epoch = state.epoch
         order = loader._order(epoch)
         inflight = loader._inflight
@@ -247,6 +248,7 @@ class DataLoader:
             )
         self._state = PipelineState(rank, 0, 0, 0)
         self._resume_from: Commit | None = None
+        self._resume_skip: EventChunk | None = None
         self._inflight: deque[_Request] = deque()
         self._generation = 0
         self._iter_epoch: int | None = None
@@ -331,6 +333,12 @@ class DataLoader:
             raise TypeError("a stream's batches per epoch are not known in advance")
         return self._plan.batches_per_epoch
 
+    def _plan_at(self, state: PipelineState) -> BatchPlan:
+        """This rank's plan for ``state.epoch`` (which may start mid-epoch: elastic resume)."""
+        if state.epoch_start == 0:
+            return self._plan
+        return replace(self._plan, start=state.epoch_start)
+
     def _order(self, epoch: int) -> EpochOrder:
         order = self._orders.get(epoch)
         if order is None:
@@ -343,7 +351,13 @@ class DataLoader:
     def _ensure_started(self) -> None:
         if self._ledger.attempt is None:
             self._ledger.open(self.config)
-            self._ledger.start(self._resume_from)
+            self._start_attempt()
+
+    def _start_attempt(self) -> None:
+        self._ledger.start(self._resume_from)
+        if self._resume_skip is not None:  # a tail an elastic resume left unservable
+            self._ledger.append(self._resume_skip)
+            self._resume_skip = None
 
     def __iter__(self) -> Iterator[Any]:
         """Serve the rest of the current epoch (a whole epoch after the previous ended)."""
@@ -399,8 +413,8 @@ class DataLoader:
     def _record(self, req: _Request, worker: int) -> None:
         log = self._ledger
         log.append(EventChunk(SAMPLE, req.epoch, req.batch, worker, req.position, req.sample_ids))
-        state = advance(self._state, self._plan)
-        plan = self._plan
+        plan = self._plan_at(self._state)
+        state = advance(self._state, plan)
         if state.epoch != req.epoch and plan.rank == 0 and plan.consumed_per_epoch < plan.n:
             tail = self._order(req.epoch).range(plan.consumed_per_epoch, plan.n)
             log.append(EventChunk(SKIP, req.epoch, req.batch, -1, plan.consumed_per_epoch, tail))
@@ -479,13 +493,20 @@ class DataLoader:
                 f"the token belongs to run {token['run_id']}, but {self._ledger.root} holds run "
                 f"{run_id}: the root was recreated; resume from a checkpoint of run {run_id}"
             )
-        if token["rank"] != self._plan.rank:
+        elastic = token["world_size"] != self._plan.world_size
+        if not elastic and token["rank"] != self._plan.rank:
             raise TokenError(
                 f"the token is rank {token['rank']}'s, this loader is rank {self._plan.rank}: "
                 "give each rank its own token"
             )
-        if token["world_size"] != self._plan.world_size:
-            raise ConfigMismatch("world_size", token["world_size"], self._plan.world_size)
+        if elastic and self._stream is not None:
+            raise ConfigMismatch(
+                "world_size",
+                token["world_size"],
+                self._plan.world_size,
+                "Elastic resume of a stream is not supported yet (map-style datasets "
+                f"only): resume with world_size={token['world_size']}.",
+            )
         if token["commit"] == "":
             head = None
             if self._stream is not None:
@@ -497,6 +518,10 @@ class DataLoader:
             head = self._ledger.read_commit(token["commit"])
             if self._stream is not None:
                 state = self._stream.replay(self._ledger.store, head)
+            elif head.world_size != self._plan.world_size:
+                state, self._resume_skip = resume_elastic(
+                    self._ledger.store, head, self._plan, self._order
+                )
             else:
                 state = replay(self._ledger.store, head, self._plan, self._order)
         self._state = state
@@ -504,7 +529,7 @@ class DataLoader:
         self._generation += 1  # a live iterator must not keep producing the old stream
         self._iter_epoch = None
         if self._ledger.attempt is not None:
-            self._ledger.start(head)
+            self._start_attempt()
 
 
 def _check_token(token: Any) -> dict[str, Any]:

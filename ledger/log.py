@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 from ledger.commits import (
@@ -18,7 +20,8 @@ from ledger.commits import (
     read_commit,
     write_commit,
 )
-from ledger.errors import LedgerError
+from ledger.dist import Group
+from ledger.errors import CommitConflict, LedgerError, StorageError
 from ledger.journal import Journal, journal_path
 from ledger.schema import EventChunk, chunks_to_table
 from ledger.segments import SegmentBuilder, encode, segment_path
@@ -38,6 +41,12 @@ class Ledger:
         storage_options: fsspec options (credentials, endpoint) for a remote root.
         journal_dir: local directory for the journal; default: ``ROOT/journal`` for a
             local root, a temporary directory otherwise.
+        group: ``torch.distributed`` process group of the ranks sharing the log
+            (default: the world group). With ``world_size > 1`` every rank must call
+            :meth:`start` and :meth:`commit` together: they are collective.
+
+    Raises:
+        RuntimeError: if ``world_size > 1`` and torch.distributed is not initialised.
     """
 
     def __init__(
@@ -48,10 +57,12 @@ class Ledger:
         world_size: int = 1,
         storage_options: dict[str, Any] | None = None,
         journal_dir: str | None = None,
+        group: Any = None,
     ) -> None:
         self.store = Store(os.fspath(root), storage_options)
         self.rank = rank
         self.world_size = world_size
+        self.group = Group(rank, world_size, group)
         self._journal_dir = journal_dir
         self.run_id: str | None = None
         self._config: dict[str, Any] = {}
@@ -92,7 +103,9 @@ class Ledger:
         """
         if self.run_id is None:
             raise LedgerError("Ledger.open(config) must be called before Ledger.start()")
-        self.attempt = claim_attempt(self.store, parent.id if parent else None, self.world_size)
+        if self.rank == 0:
+            attempt = claim_attempt(self.store, parent.id if parent else None, self.world_size)
+        self.attempt = int(self.group.broadcast(attempt if self.rank == 0 else None))
         self.head = parent
         self._pending = []
         self._builder = SegmentBuilder(self.attempt, self.rank)
@@ -144,27 +157,82 @@ class Ledger:
         """
         if self.attempt is None:
             raise LedgerError("Ledger.start() must be called before Ledger.commit()")
-        step = state.batch
-        if not self._pending and self.head is not None and self.head.step == step:
+        if not self.group.coordinated:
+            if not self._pending and self.head is not None and self.head.step == state.batch:
+                return self.head
+            segments = self._write_segment(state.batch, snapshot)
+            commit = self._marker(state.batch, segments, (state,))
+            write_commit(self.store, commit)
+            return self._committed(commit)
+        return self._commit_collective(state, snapshot)
+
+    def _commit_collective(self, state: PipelineState, snapshot: Sequence[EventChunk]) -> Commit:
+        """Every rank writes its segment; rank 0 writes the marker once all exist."""
+        mine: dict[str, Any] = {"state": asdict(state), "new": bool(self._pending), "error": None}
+        try:
+            refs = self._write_segment(state.batch, snapshot)
+            mine["segment"] = asdict(refs[0]) if refs else None
+        except LedgerError as e:  # the others must still take part in the collective
+            mine["error"] = f"rank {self.rank}: {e}"
+        everyone = self.group.all_gather(mine)
+        decision: dict[str, Any] = {}
+        if self.rank == 0:
+            errors = [m["error"] for m in everyone if m["error"]]
+            step = everyone[0]["state"]["batch"]
+            if errors:
+                decision = {"error": "; ".join(errors)}
+            elif (
+                not any(m["new"] for m in everyone)
+                and self.head is not None
+                and self.head.step == step
+            ):
+                decision = {"commit": None}
+            else:
+                commit = self._marker(
+                    step,
+                    tuple(SegmentRef(**m["segment"]) for m in everyone if m["segment"]),
+                    tuple(PipelineState.from_dict(m["state"]) for m in everyone),
+                )
+                try:
+                    write_commit(self.store, commit)
+                    decision = {"commit": json.loads(commit.to_json())}
+                except LedgerError as e:
+                    decision = {"error": f"rank 0: {e}", "kind": type(e).__name__}
+        decision = self.group.broadcast(decision)
+        if decision.get("error"):
+            cls = CommitConflict if decision.get("kind") == "CommitConflict" else StorageError
+            raise cls(f"the commit failed, no marker was written: {decision['error']}")
+        if decision["commit"] is None:
+            assert self.head is not None
             return self.head
-        segments: tuple[SegmentRef, ...] = ()
-        if self._pending:
-            builder, self._builder = self._builder, None
-            try:
-                if builder is not None:
-                    for chunk in snapshot:
-                        builder.add(chunk)
-                data = builder.finish() if builder is not None else b""
-            except Exception:  # the builder is an optimisation: re-encode from the chunks
-                data = b""
-            chunks = [*self._pending, *snapshot]
-            if not data:
-                data = encode(chunks_to_table(chunks, self.attempt, self.rank))
-            rel = segment_path(self.attempt, self.rank, step)
-            self.store.write_atomic(rel, data)
-            rows = sum(c.rows for c in chunks)
-            segments = (SegmentRef(self.rank, rel, rows, len(data), sha256(data)),)
-        commit = Commit(
+        return self._committed(Commit.from_dict(decision["commit"]))
+
+    def _write_segment(self, step: int, snapshot: Sequence[EventChunk]) -> tuple[SegmentRef, ...]:
+        """Encode and write this rank's pending events (plus ``snapshot``) as a segment."""
+        if not self._pending:
+            return ()
+        assert self.attempt is not None
+        builder, self._builder = self._builder, None
+        try:
+            if builder is not None:
+                for chunk in snapshot:
+                    builder.add(chunk)
+            data = builder.finish() if builder is not None else b""
+        except Exception:  # the builder is an optimisation: re-encode from the chunks
+            data = b""
+        chunks = [*self._pending, *snapshot]
+        if not data:
+            data = encode(chunks_to_table(chunks, self.attempt, self.rank))
+        rel = segment_path(self.attempt, self.rank, step)
+        self.store.write_atomic(rel, data)
+        rows = sum(c.rows for c in chunks)
+        return (SegmentRef(self.rank, rel, rows, len(data), sha256(data)),)
+
+    def _marker(
+        self, step: int, segments: tuple[SegmentRef, ...], states: tuple[PipelineState, ...]
+    ) -> Commit:
+        assert self.attempt is not None
+        return Commit(
             id=commit_id(step, self.attempt),
             step=step,
             attempt=self.attempt,
@@ -172,13 +240,14 @@ class Ledger:
             world_size=self.world_size,
             created_at=now_iso(),
             segments=segments,
-            states=(state,),
+            states=states,
         )
-        write_commit(self.store, commit)
+
+    def _committed(self, commit: Commit) -> Commit:
+        assert self.attempt is not None and self._journal is not None
         self.head = commit
         self._pending = []
         self._builder = SegmentBuilder(self.attempt, self.rank)
-        assert self._journal is not None
         self._journal.reset(commit.id)
         return commit
 

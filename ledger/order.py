@@ -196,9 +196,12 @@ class BatchPlan:
     """How one rank cuts each epoch's global order into batches.
 
     Ranks take positions in a fixed pattern: global step ``s`` of an epoch covers
-    positions ``[s*W*B, (s+1)*W*B)`` and rank ``r`` takes the ``r``-th slice of ``B``.
-    With ``drop_last=False`` the final step is cut short and split across ranks as
-    evenly as possible in rank order, never padded with duplicates.
+    positions ``[start + s*W*B, start + (s+1)*W*B)`` and rank ``r`` takes the ``r``-th
+    slice of ``B``. With ``drop_last=False`` the final step is cut short and split across
+    ranks as evenly as possible in rank order, never padded with duplicates. With
+    synchronous data parallelism the positions consumed so far are therefore a prefix of
+    the order, and a resume with another world size continues from that prefix
+    (``start``).
 
     Args:
         n: dataset length (samples).
@@ -206,6 +209,8 @@ class BatchPlan:
         drop_last: drop the final incomplete global step instead of serving it short.
         rank: this rank.
         world_size: number of ranks (W).
+        start: position where this plan's first step begins (0 but in an epoch resumed
+            with another world size).
     """
 
     n: int
@@ -213,6 +218,7 @@ class BatchPlan:
     drop_last: bool
     rank: int = 0
     world_size: int = 1
+    start: int = 0
     step_size: int = field(init=False, repr=False)
     """Positions per global step (W*B)."""
     full_steps: int = field(init=False, repr=False)
@@ -228,11 +234,13 @@ class BatchPlan:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         # Derived once: these sit on the per-batch path.
+        if not 0 <= self.start <= self.n:
+            raise ValueError(f"start {self.start} is outside [0, {self.n}]")
         step = self.batch_size * self.world_size
-        full = self.n // step
-        consumed = full * step if self.drop_last else self.n
+        full = (self.n - self.start) // step
+        consumed = self.start + full * step if self.drop_last else self.n
         batches = full
-        if consumed > full * step:
+        if consumed > self.start + full * step:
             lo, hi = self.batch_bounds(full, _step=step, _full=full)
             batches += 1 if hi > lo else 0
         for name, value in (
@@ -247,7 +255,7 @@ class BatchPlan:
         """Positions ``[start, stop)`` of this rank's ``k``-th batch of an epoch."""
         step = _step or self.step_size
         full = _full if _full >= 0 else self.full_steps
-        base = k * step
+        base = self.start + k * step
         if k < full:
             start = base + self.rank * self.batch_size
             return start, start + self.batch_size
@@ -259,7 +267,7 @@ class BatchPlan:
     def bounds(self, k0: int, k1: int) -> tuple[np.ndarray, np.ndarray]:
         """Starts and stops (``int64`` arrays, shape ``(k1 - k0,)``) of batches ``[k0, k1)``."""
         ks = np.arange(k0, k1, dtype=np.int64)
-        starts = ks * self.step_size + self.rank * self.batch_size
+        starts = self.start + ks * self.step_size + self.rank * self.batch_size
         stops = starts + self.batch_size
         if k1 > self.full_steps:  # the short final step
             lo, hi = self.batch_bounds(self.full_steps)

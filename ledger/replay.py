@@ -14,6 +14,7 @@ checks two things before the loader may produce a batch:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +24,7 @@ from ledger import segments
 from ledger.commits import Commit, PipelineState, SegmentRef, lineage
 from ledger.errors import LogCorrupted, ResumeMismatch
 from ledger.order import BatchPlan, EpochOrder
-from ledger.schema import SAMPLE
+from ledger.schema import SAMPLE, SKIP, EventChunk
 from ledger.store import Store
 
 
@@ -56,11 +57,16 @@ def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
 
 
 def advance(state: PipelineState, plan: BatchPlan) -> PipelineState:
-    """The state after one more batch; an epoch's last batch moves to the next epoch."""
+    """The state after one more batch; an epoch's last batch moves to the next epoch.
+
+    Args:
+        state: the state before the batch.
+        plan: the rank's plan for ``state.epoch`` (``plan.start == state.epoch_start``).
+    """
     nxt = state.epoch_batch + 1
     if nxt >= plan.batches_per_epoch:
         return PipelineState(state.rank, state.epoch + 1, 0, state.batch + 1)
-    return PipelineState(state.rank, state.epoch, nxt, state.batch + 1)
+    return replace(state, epoch_batch=nxt, batch=state.batch + 1)
 
 
 def replay(
@@ -108,18 +114,23 @@ def replay(
     ids = rows["sample_id"].to_numpy()
 
     last = int(rows["batch"][0].as_py())
-    k = int(positions[0]) // plan.step_size
-    bounds = plan.batch_bounds(k)
-    if bounds != (int(positions[0]), int(positions[-1]) + 1) or not np.array_equal(
-        positions, np.arange(bounds[0], bounds[1])
-    ):
-        raise ResumeMismatch(
-            f"the log's last batch (batch {int(last)}, epoch {epoch}) covers positions "
-            f"[{int(positions[0])}, {int(positions[-1]) + 1}), but this loader's plan puts "
-            f"batch {k} of the epoch at [{bounds[0]}, {bounds[1]}): batch size, world size "
-            "or dataset length changed. Resume with the run's original configuration."
-        )
-    folded = advance(PipelineState(rank, epoch, k, int(last)), plan)
+    if recorded.epoch == epoch:
+        plan = replace(plan, start=recorded.epoch_start)
+        k = (int(positions[0]) - plan.start) // plan.step_size
+        bounds = plan.batch_bounds(k)
+        if bounds != (int(positions[0]), int(positions[-1]) + 1) or not np.array_equal(
+            positions, np.arange(bounds[0], bounds[1])
+        ):
+            raise ResumeMismatch(
+                f"the log's last batch (batch {last}, epoch {epoch}) covers positions "
+                f"[{int(positions[0])}, {int(positions[-1]) + 1}), but this loader's plan "
+                f"puts batch {k} of the epoch at [{bounds[0]}, {bounds[1]}): batch size, "
+                "world size or dataset length changed. Resume with the run's original "
+                "configuration."
+            )
+        folded = advance(PipelineState(rank, epoch, k, last, epoch_start=plan.start), plan)
+    else:  # the last batch closed its epoch
+        folded = PipelineState(rank, epoch + 1, 0, last + 1)
     if folded != recorded:
         raise LogCorrupted(
             f"commit {head.id} records state {recorded} for rank {rank}, but its events "
@@ -135,3 +146,77 @@ def replay(
             "from the run's. Resume with the run's original seed, shuffle and dataset."
         )
     return folded
+
+
+def resume_elastic(
+    store: Store,
+    head: Commit,
+    plan: BatchPlan,
+    order_for: Callable[[int], EpochOrder],
+) -> tuple[PipelineState, EventChunk | None]:
+    """State of one rank of a new world size resuming ``head`` (map-style datasets).
+
+    Each old rank's state is replayed and verified as for a same-shape resume. With
+    synchronous data parallelism the positions the old ranks consumed in the current
+    epoch form a prefix ``[epoch_start, P)`` of its order; the new ranks continue the
+    epoch from ``P`` with the new step size. Every sample of the epoch is thus consumed
+    exactly once across the old and the new shape; the order after ``P`` is the plan of
+    :class:`ledger.order.BatchPlan` for the new shape.
+
+    Args:
+        store: the log root.
+        head: the commit to resume from (written with another world size).
+        plan: the new rank's full-epoch plan (its ``rank`` and ``world_size``).
+        order_for: ``epoch -> EpochOrder``.
+
+    Returns:
+        The rank's state, and the ``skip`` events to log when ``drop_last`` leaves too
+        few samples after ``P`` for one step of the new shape (rank 0 only), else ``None``.
+
+    Raises:
+        ResumeMismatch: if the old ranks' consumed positions are not a prefix (they
+            stopped at different steps), which no world size other than the old one can
+            continue exactly.
+    """
+    old = head.world_size
+    folded = [
+        replay(store, head, replace(plan, rank=r, world_size=old, start=0), order_for)
+        for r in range(old)
+    ]
+    epoch = min(s.epoch for s in folded)
+    start = next(s.epoch_start for s in folded if s.epoch == epoch)
+    starts: list[np.ndarray] = []
+    stops: list[np.ndarray] = []
+    for r, s in enumerate(folded):
+        old_plan = replace(plan, rank=r, world_size=old, start=start)
+        count = old_plan.batches_per_epoch if s.epoch > epoch else s.epoch_batch
+        lo, hi = old_plan.bounds(0, count)
+        starts.append(lo)
+        stops.append(hi)
+    lo = np.concatenate(starts)
+    hi = np.concatenate(stops)
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    reach = start
+    if lo.size:
+        gaps = lo != np.concatenate([[start], hi[:-1]])
+        if gaps.any():
+            where = int(np.flatnonzero(gaps)[0])
+            raise ResumeMismatch(
+                f"at commit {head.id} the {old} ranks stopped at different steps of epoch "
+                f"{epoch} ({', '.join(f'rank {r}: {s.epoch_batch}' for r, s in enumerate(folded))}"
+                f" batches): position {int(hi[where - 1]) if where else start} was not "
+                f"consumed while position {int(lo[where])} was, so another world size "
+                f"cannot continue the epoch exactly. Resume with world_size={old}."
+            )
+        reach = int(hi[-1])
+    batch = folded[0].batch
+    new = replace(plan, start=reach)
+    if new.batches_per_epoch:
+        return PipelineState(plan.rank, epoch, 0, batch, epoch_start=reach), None
+    # drop_last and fewer than one step of the new shape left: the tail is skipped.
+    skip = None
+    if plan.rank == 0 and reach < plan.n:
+        tail = order_for(epoch).range(reach, plan.n)
+        skip = EventChunk(SKIP, epoch, batch - 1, -1, reach, tail)
+    return PipelineState(plan.rank, epoch + 1, 0, batch), skip

@@ -13,6 +13,7 @@ import pytest
 from logfactory import DATASET_LEN, RUN_ID, LogFactory, Row, batch, example_log
 
 from ledger.audit import AttemptSummary, EpochSummary, Position, Summary, connect, summarize
+from ledger.audit.summary import RankSummary
 from ledger.errors import CommitNotFound, LogCorrupted
 from ledger.schema import EVENT_SCHEMA
 
@@ -251,6 +252,7 @@ def test_summary_of_the_default_head(log: LogFactory) -> None:
         abandoned_commits=1,
         abandoned_samples=3,
         last_position=Position(epoch=2, position=2),
+        ranks=(RankSummary(rank=0, epoch=2, epoch_batch=1, batch=7, samples=21, behind=0),),
     )
 
 

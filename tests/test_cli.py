@@ -126,6 +126,7 @@ def test_summary_json(root: str) -> None:
                 "events": 16,
                 "uncommitted_batches": 0,
                 "uncommitted_samples": 0,
+                "world_size": 1,
             },
             {
                 "attempt": 1,
@@ -134,6 +135,7 @@ def test_summary_json(root: str) -> None:
                 "events": 10,
                 "uncommitted_batches": 0,
                 "uncommitted_samples": 0,
+                "world_size": 1,
             },
             {
                 "attempt": 2,
@@ -142,6 +144,7 @@ def test_summary_json(root: str) -> None:
                 "events": 0,
                 "uncommitted_batches": 0,
                 "uncommitted_samples": 0,
+                "world_size": 1,
             },
             {
                 "attempt": 3,
@@ -150,6 +153,7 @@ def test_summary_json(root: str) -> None:
                 "events": 0,
                 "uncommitted_batches": 0,
                 "uncommitted_samples": 0,
+                "world_size": 1,
             },
         ],
         "commits": 6,
@@ -183,6 +187,10 @@ def test_summary_json(root: str) -> None:
         "abandoned_commits": 1,
         "abandoned_samples": 3,
         "last_position": {"epoch": 2, "position": 2},
+        "ranks": [
+            {"rank": 0, "epoch": 2, "epoch_batch": 1, "batch": 7, "samples": 21, "behind": 0}
+        ],
+        "skew": None,
     }
     ndjson = run("audit", root, "--format", "ndjson")
     assert ndjson.stdout.count("\n") == 1
@@ -197,7 +205,7 @@ def test_summary_table(root: str) -> None:
         f"run {RUN_ID}, dataset of 10 samples",
         "4 attempts, 6 commits, head 000000000005-0000",
     ]
-    assert "│ 1       │ 000000000004-0000 │ 2       │ 10     │ 0                   │" in lines
+    assert "│ 1       │ 000000000004-0000 │ 1     │ 2       │ 10     │ 0                   │" in lines
     assert "│ 0     │ 9       │ 9        │ 90.00%   │ 0          │ 1       │" in lines
     assert "│ 1     │ 6       │ 6        │ 60.00%   │ 0          │ 0       │" in lines
     assert lines[-2:] == [

@@ -1,10 +1,13 @@
 """Kill a training run with SIGKILL, resume it, and show nothing changed.
 
-Runs ``examples/train_lm.py`` three times:
+For each pipeline -- map-style (``examples/train_lm.py``), then streamed and packed
+(``examples/train_lm_packed.py`` over Parquet shards of ``tools/make_shards.py``) --
+runs the training script three times:
 
-1. uninterrupted, in ``WORKDIR/clean``;
-2. in ``WORKDIR/crash``, sending SIGKILL at a random step after the first checkpoint;
-3. ``--resume`` in ``WORKDIR/crash`` until the end.
+1. uninterrupted, in ``WORKDIR/<pipeline>/clean``;
+2. in ``WORKDIR/<pipeline>/crash``, sending SIGKILL at a random step after the first
+   checkpoint;
+3. ``--resume`` in ``WORKDIR/<pipeline>/crash`` until the end.
 
 Then compares the batches the training loop received in both runs, element by element
 (the crashed run's effective stream keeps, for every step, the batch seen last, since
@@ -14,12 +17,13 @@ differs.
 
 Example:
     python tools/demo.py
-    python tools/demo.py --seed 7 --steps 200 --workdir runs/demo
+    python tools/demo.py --only packed --seed 7 --packed-steps 120 --workdir runs/demo
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -31,9 +35,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_lm.py"
+TRAIN_PACKED = REPO / "examples" / "train_lm_packed.py"
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
 STEP_RE = re.compile(r"^step (\d+) loss ")
 RESUMED_RE = re.compile(r"^resumed from \S+ at step (\d+)")
 
@@ -46,9 +56,11 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def train_cmd(root: Path, train_args: list[str], resume: bool = False) -> list[str]:
-    """The command line of one train_lm.py run rooted at ``root``."""
-    cmd = [sys.executable, str(TRAIN), "--root", str(root), *train_args]
+def train_cmd(
+    root: Path, train_args: list[str], resume: bool = False, script: Path = TRAIN
+) -> list[str]:
+    """The command line of one run of ``script`` (a train_lm*.py) rooted at ``root``."""
+    cmd = [sys.executable, str(script), "--root", str(root), *train_args]
     cmd += ["--stream-out", str(root / "stream.jsonl")]
     return [*cmd, "--resume"] if resume else cmd
 
@@ -60,15 +72,17 @@ def run_train(
     resume: bool = False,
     kill_at: int | None = None,
     on_step: Callable[[int], None] | None = None,
+    script: Path = TRAIN,
 ) -> tuple[int, list[str]]:
-    """Run train_lm.py, reading its stdout line by line.
+    """Run train_lm.py (or ``script``), reading its stdout line by line.
 
     Args:
         root: the run directory (created).
-        train_args: extra train_lm.py arguments.
+        train_args: extra arguments of the script.
         resume: pass ``--resume``.
         kill_at: send SIGKILL as soon as the line for this step (0-based) is read.
         on_step: called with each step number read.
+        script: the training script, ``TRAIN`` or ``TRAIN_PACKED``.
 
     Returns:
         The exit status (``-9`` when killed) and the stdout lines read.
@@ -79,7 +93,7 @@ def run_train(
     lines: list[str] = []
     with open(err_path, "w") as err:
         proc = subprocess.Popen(
-            train_cmd(root, train_args, resume),
+            train_cmd(root, train_args, resume, script),
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
@@ -160,59 +174,78 @@ def audit(log_root: Path) -> tuple[int, str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", type=Path, default=None, help="default: a new temp dir")
-    ap.add_argument("--seed", type=int, default=0, help="picks the step to kill at")
-    ap.add_argument("--train-seed", type=int, default=0, help="train_lm.py --seed")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--num-workers", type=int, default=2)
-    ap.add_argument("--ckpt-every", type=int, default=50)
-    ap.add_argument("--max-files", type=int, default=None)
     ap.add_argument(
+        "--only", choices=("map", "packed"), default=None, help="run one pipeline (default both)"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="picks the steps to kill at")
+    ap.add_argument("--train-seed", type=int, default=0, help="training scripts' --seed")
+    ap.add_argument("--num-workers", type=int, default=2)
+    m = ap.add_argument_group("map-style pipeline (train_lm.py)")
+    m.add_argument("--steps", type=int, default=300)
+    m.add_argument("--batch-size", type=int, default=16)
+    m.add_argument("--seq-len", type=int, default=128)
+    m.add_argument("--ckpt-every", type=int, default=50)
+    m.add_argument("--max-files", type=int, default=None)
+    m.add_argument(
         "--max-samples",
         type=int,
         default=1600,
         help="windows per epoch, spread over the corpus (default: 100 batches, so the run "
         "crosses epochs)",
     )
+    p = ap.add_argument_group("packed pipeline (train_lm_packed.py)")
+    p.add_argument("--packed-steps", type=int, default=200)
+    p.add_argument("--packed-batch-size", type=int, default=16)
+    p.add_argument("--packed-seq-len", type=int, default=128)
+    p.add_argument("--packed-ckpt-every", type=int, default=40)
+    p.add_argument("--shuffle-buffer", type=int, default=8, help="documents")
+    p.add_argument(
+        "--packed-max-files",
+        type=int,
+        default=12,
+        help="stdlib files in the shards (default 12, ~99 kB: ~48 batches an epoch, so the "
+        "run crosses epochs)",
+    )
+    p.add_argument("--shards", type=int, default=4, help="Parquet shards")
+    p.add_argument(
+        "--row-group-rows",
+        type=int,
+        default=2,
+        help="rows per row group (default 2, so that reads cross row groups)",
+    )
     return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
+def run_pipeline(
+    console: Console,
+    name: str,
+    script: Path,
+    workdir: Path,
+    train_args: list[str],
+    steps: int,
+    kill_at: int,
+) -> list[str]:
+    """Uninterrupted run, SIGKILL at ``kill_at``, ``--resume``; compare, print, audit.
+
+    Args:
+        console: where the progress, the table and the audit go.
+        name: the pipeline's name in headings.
+        script: the training script.
+        workdir: gets ``clean/`` and ``crash/`` (must be empty or absent).
+        train_args: the script's arguments, ``--root`` and ``--stream-out`` excepted.
+        steps: the ``--steps`` in ``train_args``.
+        kill_at: the step (0-based) at which the second run is killed.
+
+    Returns:
+        What failed, one sentence each; empty if the resumed run matched.
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
     from rich.table import Table
 
-    args = parse_args(argv)
-    console = Console(highlight=False)
-    margin = max(5, args.steps // 10)  # leave the run time to die before it ends
-    if args.steps <= args.ckpt_every + margin:
-        console.print("[red]error:[/] --steps must exceed --ckpt-every by at least 10%")
-        return 2
-    kill_at = random.Random(args.seed).randint(args.ckpt_every, args.steps - 1 - margin)
-
-    train_args = [
-        "--steps", str(args.steps),
-        "--batch-size", str(args.batch_size),
-        "--seq-len", str(args.seq_len),
-        "--num-workers", str(args.num_workers),
-        "--ckpt-every", str(args.ckpt_every),
-        "--seed", str(args.train_seed),
-    ]  # fmt: skip
-    if args.max_files is not None:
-        train_args += ["--max-files", str(args.max_files)]
-    if args.max_samples:
-        train_args += ["--max-samples", str(args.max_samples)]
-
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ledger-demo-"))
     clean, crash = workdir / "clean", workdir / "crash"
-    for d in (clean, crash):
-        if d.exists() and any(d.iterdir()):
-            console.print(f"[red]error:[/] {d} is not empty; pick another --workdir")
-            return 2
-    console.print(f"[bold]ledger demo[/] in {workdir}")
-    console.print(f"  train_lm.py {' '.join(train_args)}")
-    console.print(f"  kill step: {kill_at} (drawn with --seed {args.seed})\n")
+    console.rule(f"[bold]{name}[/]")
+    console.print(f"  {script.name} {' '.join(train_args)}")
+    console.print(f"  kill step: {kill_at}\n")
 
     t0 = time.monotonic()
     with Progress(
@@ -221,25 +254,24 @@ def main(argv: list[str] | None = None) -> int:
     ) as progress:  # fmt: skip
 
         def phase(label: str, start: int = 0) -> Callable[[int], None]:
-            task = progress.add_task(label, total=args.steps, completed=start)
+            task = progress.add_task(label, total=steps, completed=start)
             return lambda step: progress.update(task, completed=step + 1)
 
-        rc_a, _ = run_train(clean, train_args, on_step=phase("1. uninterrupted"))
-        rc_b, _ = run_train(crash, train_args, kill_at=kill_at, on_step=phase("2. SIGKILL"))
+        run = functools.partial(run_train, script=script)
+        rc_a, _ = run(clean, train_args, on_step=phase("1. uninterrupted"))
+        rc_b, _ = run(crash, train_args, kill_at=kill_at, on_step=phase("2. SIGKILL"))
         killed_after = len(effective_stream(crash / "stream.jsonl"))
-        rc_c, lines_c = run_train(crash, train_args, resume=True, on_step=phase("3. --resume"))
+        rc_c, lines_c = run(crash, train_args, resume=True, on_step=phase("3. --resume"))
 
     failures: list[str] = []
     if rc_a != 0:
-        failures.append(f"uninterrupted run exited with {rc_a}")
+        failures.append(f"{name}: uninterrupted run exited with {rc_a}")
     if rc_b != -signal.SIGKILL:
-        failures.append(f"run 2 was not killed (exit status {rc_b})")
+        failures.append(f"{name}: run 2 was not killed (exit status {rc_b})")
     if rc_c != 0:
-        failures.append(f"resumed run exited with {rc_c}")
+        failures.append(f"{name}: resumed run exited with {rc_c}")
     if failures:
-        for f in failures:
-            console.print(f"[red]FAIL[/] {f}")
-        return 1
+        return failures
 
     resumed_from = next(int(m.group(1)) for ln in lines_c if (m := RESUMED_RE.match(ln)))
     ref = effective_stream(clean / "stream.jsonl")
@@ -252,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     table.add_row("killed after step", f"{killed_after - 1} (SIGKILL, exit status {rc_b})")
     table.add_row("resumed from checkpoint", f"step {resumed_from}")
     table.add_row("steps redone", str(killed_after - resumed_from))
+    table.add_row("epochs", str(len({r["epoch"] for r in ref})))
     table.add_row("batches compared", f"{len(ref)} vs {len(eff)}")
     ok = "[green]{}[/]".format
     bad = "[red]{}[/]".format
@@ -263,21 +296,102 @@ def main(argv: list[str] | None = None) -> int:
     table.add_row("wall time", f"{elapsed:.1f} s")
     console.print(table)
 
-    console.rule(f"ledger audit {crash / 'log'}")
+    console.rule(f"ledger audit {crash / 'log'}", style="dim")
     rc_audit, out = audit(crash / "log")
     console.print(out, markup=False)
     if rc_audit != 0:
-        failures.append(f"ledger audit exited with {rc_audit}")
+        failures.append(f"{name}: ledger audit exited with {rc_audit}")
     if n_diff:
-        failures.append(f"{n_diff} positions of the batch stream differ")
+        failures.append(f"{name}: {n_diff} positions of the batch stream differ")
     if bad_weights:
-        failures.append(f"{len(bad_weights)} weight tensors differ")
+        failures.append(f"{name}: {len(bad_weights)} weight tensors differ")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    args = parse_args(argv)
+    console = Console(highlight=False)
+    pipelines = ("map", "packed") if args.only is None else (args.only,)
+
+    def kill_step(steps: int, ckpt_every: int) -> int | None:
+        margin = max(5, steps // 10)  # leave the run time to die before it ends
+        if steps <= ckpt_every + margin:
+            return None
+        return random.Random(args.seed).randint(ckpt_every, steps - 1 - margin)
+
+    common = ["--num-workers", str(args.num_workers), "--seed", str(args.train_seed)]
+    map_args = [
+        "--steps", str(args.steps),
+        "--batch-size", str(args.batch_size),
+        "--seq-len", str(args.seq_len),
+        "--ckpt-every", str(args.ckpt_every),
+        *common,
+    ]  # fmt: skip
+    if args.max_files is not None:
+        map_args += ["--max-files", str(args.max_files)]
+    if args.max_samples:
+        map_args += ["--max-samples", str(args.max_samples)]
+    packed_args = [
+        "--steps", str(args.packed_steps),
+        "--batch-size", str(args.packed_batch_size),
+        "--seq-len", str(args.packed_seq_len),
+        "--ckpt-every", str(args.packed_ckpt_every),
+        "--shuffle-buffer", str(args.shuffle_buffer),
+        *common,
+    ]  # fmt: skip
+    plans = {
+        "map": (TRAIN, map_args, args.steps, kill_step(args.steps, args.ckpt_every)),
+        "packed": (
+            TRAIN_PACKED,
+            packed_args,
+            args.packed_steps,
+            kill_step(args.packed_steps, args.packed_ckpt_every),
+        ),
+    }
+    for name in pipelines:
+        if plans[name][3] is None:
+            console.print(f"[red]error:[/] {name}: steps must exceed ckpt-every by at least 10%")
+            return 2
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ledger-demo-"))
+    for name in pipelines:
+        for d in (workdir / name / "clean", workdir / name / "crash"):
+            if d.exists() and any(d.iterdir()):
+                console.print(f"[red]error:[/] {d} is not empty; pick another --workdir")
+                return 2
+    console.print(f"[bold]ledger demo[/] in {workdir}")
+    console.print(f"  kill steps drawn with --seed {args.seed}")
+
+    t0 = time.monotonic()
+    failures: list[str] = []
+    for name in pipelines:
+        script, train_args, steps, kill_at = plans[name]
+        assert kill_at is not None
+        if name == "packed":
+            # Imported here: it imports torch, which the map-style demo never needs here.
+            sys.path.insert(0, str(REPO / "tools"))
+            from make_shards import make_shards  # tools/ is not a package
+
+            shards_dir = workdir / "packed" / "shards"
+            t = time.monotonic()
+            paths = make_shards(shards_dir, args.shards, args.packed_max_files, args.row_group_rows)
+            console.print(
+                f"\n{len(paths)} shards of the first {args.packed_max_files} stdlib files in "
+                f"{shards_dir} ({time.monotonic() - t:.1f} s)"
+            )
+            train_args = [*train_args, "--shards-dir", str(shards_dir)]
+        title = f"{name} pipeline: {script.name}"
+        failures += run_pipeline(console, title, script, workdir / name, train_args, steps, kill_at)
+
     console.rule()
     for f in failures:
         console.print(f"[red]FAIL[/] {f}")
     if not failures:
         console.print(
-            ok("OK: the resumed run saw exactly the same batches and ended bitwise equal")
+            "[green]OK: every resumed run saw exactly the same batches and ended bitwise "
+            f"equal[/] ({', '.join(pipelines)}; {time.monotonic() - t0:.0f} s)"
         )
     return 1 if failures else 0
 

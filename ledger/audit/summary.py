@@ -36,6 +36,7 @@ class AttemptSummary:
         uncommitted_batches: batches in the attempt's journals after its last commit:
             consumed by its training loop, never committed (lost if the attempt died).
         uncommitted_samples: samples in those batches.
+        world_size: ranks of the attempt.
     """
 
     attempt: int
@@ -44,6 +45,7 @@ class AttemptSummary:
     events: int
     uncommitted_batches: int = 0
     uncommitted_samples: int = 0
+    world_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,44 @@ class EpochSummary:
     coverage: float
     duplicates: int
     skipped: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankSummary:
+    """One rank at the head commit.
+
+    Attributes:
+        rank: the rank.
+        epoch: epoch of its next batch.
+        epoch_batch: batches of that epoch it has consumed.
+        batch: batches it has consumed over the lineage (its next batch index).
+        samples: samples it consumed in the lineage (all epochs).
+        behind: samples it trails the rank that consumed the most (0: not a straggler).
+    """
+
+    rank: int
+    epoch: int
+    epoch_batch: int
+    batch: int
+    samples: int
+    behind: int
+
+
+@dataclass(frozen=True, slots=True)
+class Skew:
+    """The largest spread between the ranks of one attempt at one commit of the lineage.
+
+    Attributes:
+        commit: the commit where the spread peaks.
+        world_size: ranks at that commit.
+        samples: max - min over its ranks of samples consumed since the attempt began.
+        epochs: max - min over its ranks of the epoch of their next batch.
+    """
+
+    commit: str
+    world_size: int
+    samples: int
+    epochs: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +131,9 @@ class Summary:
             model saw.
         last_position: epoch and largest position of a ``'sample'`` event of the last
             epoch of the lineage; ``None`` when the lineage has none.
+        ranks: every rank of the head commit, with its progress.
+        skew: the largest spread between ranks at a commit of the lineage, ``None``
+            when the lineage has no commit with more than one rank.
     """
 
     run_id: str
@@ -102,6 +145,8 @@ class Summary:
     abandoned_commits: int
     abandoned_samples: int
     last_position: Position | None
+    ranks: tuple[RankSummary, ...] = ()
+    skew: Skew | None = None
 
 
 def summarize(root: str, head: str | None = None) -> Summary:
@@ -131,7 +176,7 @@ def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
     con.execute(
         f"""
         CREATE TEMP TABLE per_commit AS
-        SELECT c.commit_id, c.attempt, c.in_lineage,
+        SELECT c.commit_id, c.attempt, c.in_lineage, c.world_size,
                coalesce(e.events, 0) AS events, coalesce(e.samples, 0) AS samples, e.lo, e.hi
         FROM commits AS c
         LEFT JOIN (
@@ -147,7 +192,8 @@ def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
         f"""
         SELECT coalesce(a.attempt, c.attempt) AS attempt, any_value(a.parent),
                count(c.commit_id), coalesce(sum(c.events), 0),
-               coalesce(any_value(u.batches), 0), coalesce(any_value(u.samples), 0)
+               coalesce(any_value(u.batches), 0), coalesce(any_value(u.samples), 0),
+               coalesce(any_value(a.world_size), any_value(c.world_size), 1)
         FROM attempts AS a FULL OUTER JOIN per_commit AS c ON a.attempt = c.attempt
         LEFT JOIN (
             SELECT attempt, count(DISTINCT (rank, batch)) AS batches,
@@ -195,7 +241,49 @@ def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
         abandoned_commits=abandoned_commits,
         abandoned_samples=int(abandoned_samples),
         last_position=Position(*last) if last else None,
+        ranks=_ranks(con, head[0]) if head else (),
+        skew=_skew(con),
     )
+
+
+def _ranks(con: duckdb.DuckDBPyConnection, head: str) -> tuple[RankSummary, ...]:
+    rows = con.execute(
+        f"""
+        SELECT s.rank, s.epoch, s.epoch_batch, s.batch, coalesce(l.samples, 0)
+        FROM states AS s LEFT JOIN (
+            SELECT rank, count(*) FILTER (WHERE {CONSUMED}) AS samples FROM lineage GROUP BY 1
+        ) AS l USING (rank)
+        WHERE s.commit_id = ? ORDER BY s.rank
+        """,
+        [head],
+    ).fetchall()
+    most = max((r[4] for r in rows), default=0)
+    return tuple(RankSummary(*r, most - r[4]) for r in rows)
+
+
+def _skew(con: duckdb.DuckDBPyConnection) -> Skew | None:
+    """Spread between ranks at each lineage commit, counted from their attempt's start."""
+    row = con.execute(
+        f"""
+        WITH per AS (
+            SELECT c.commit_id, c.step, c.attempt, c.world_size, s.rank, s.epoch,
+                   coalesce(e.n, 0) AS n
+            FROM commits AS c JOIN states AS s USING (commit_id)
+            LEFT JOIN (
+                SELECT commit_id, rank, count(*) FILTER (WHERE {CONSUMED}) AS n
+                FROM lineage GROUP BY ALL
+            ) AS e USING (commit_id, rank)
+            WHERE c.in_lineage
+        ), cumulative AS (
+            SELECT *, sum(n) OVER (PARTITION BY attempt, rank ORDER BY step) AS seen FROM per
+        )
+        SELECT commit_id, any_value(world_size), max(seen) - min(seen),
+               max(epoch) - min(epoch), any_value(step) AS step
+        FROM cumulative GROUP BY commit_id HAVING count(*) > 1
+        ORDER BY 3 DESC, 4 DESC, step LIMIT 1
+        """
+    ).fetchone()
+    return Skew(row[0], int(row[1]), int(row[2]), int(row[3])) if row else None
 
 
 def _distinct_ids(con: duckdb.DuckDBPyConnection) -> str:

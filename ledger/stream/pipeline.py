@@ -21,6 +21,7 @@ row; at the end of the stream the remaining slots are drawn without replacement)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from collections.abc import Callable, Iterator
@@ -580,35 +581,45 @@ class StreamDataset(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         start = self.start
         worker = ((info.id if info is not None else 0) + start.next_worker) % self.workers
-        run = WorkerRun(
-            self.stream,
-            self.plan(start.epoch),
-            self.rank,
-            worker,
-            start.workers[worker],
-            self.buffers.get(worker, []),
-            self.seed,
-            self.batch_size,
-            self.collate_fn,
-            self.per_sample_rng,
-        )
+        # In the main process the global RNGs belong to the training loop: per-sample
+        # seeding (while refilling a resumed buffer, and while producing each batch)
+        # must not leak into it.
+        guard = info is None and self.per_sample_rng
+        with _rngs_preserved(guard):
+            run = WorkerRun(
+                self.stream,
+                self.plan(start.epoch),
+                self.rank,
+                worker,
+                start.workers[worker],
+                self.buffers.get(worker, []),
+                self.seed,
+                self.batch_size,
+                self.collate_fn,
+                self.per_sample_rng,
+            )
         batches = run.batches()
         while True:
-            # In the main process the global RNGs belong to the training loop: per-sample
-            # seeding must not leak into it.
-            saved = None
-            if info is None and self.per_sample_rng:
-                saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-            try:
+            with _rngs_preserved(guard):
                 item = next(batches, None)
-            finally:
-                if saved is not None:
-                    torch.set_rng_state(saved[0])
-                    np.random.set_state(saved[1])
-                    random.setstate(saved[2])
             if item is None:
                 return
             yield item
+
+
+@contextlib.contextmanager
+def _rngs_preserved(active: bool) -> Iterator[None]:
+    """Restore torch's, numpy's and ``random``'s global RNG states on exit (if active)."""
+    if not active:
+        yield
+        return
+    saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        np.random.set_state(saved[1])
+        random.setstate(saved[2])
 
 
 def identity(item: Any) -> Any:

@@ -1,0 +1,82 @@
+"""Child for test_dist: one rank of a torchrun job consuming a ledger.DataLoader.
+
+Usage: torchrun --nproc_per_node W dist_child.py ROOT OUTDIR TOTAL [--resume]
+       [--die-after-segment STEP]  (rank 1 SIGKILLs itself after writing that segment)
+       [--resume-from FILE]  (every rank loads that token: elastic resume)
+       [--drop-last]
+Each rank appends "<step> <ids> <digest>" per batch to OUTDIR/stream-<rank>.txt and keeps
+its token in OUTDIR/ckpt-<rank>.json (written after every commit, every 3 steps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import Augmented
+
+import ledger
+from ledger.store import Store
+
+
+def main() -> None:
+    root, out, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if "--die-after-segment" in sys.argv and rank == 1:
+        die_at = int(sys.argv[sys.argv.index("--die-after-segment") + 1])
+        real = Store.write_atomic
+
+        def write_then_die(self, rel, data):
+            real(self, rel, data)
+            if rel.endswith(f"seg-{die_at:012d}.parquet"):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        Store.write_atomic = write_then_die
+    loader = ledger.DataLoader(
+        Augmented(61),
+        batch_size=4,
+        shuffle=True,
+        seed=5,
+        log=root,
+        num_workers=1,
+        drop_last="--drop-last" in sys.argv,
+    )
+    ckpt = os.path.join(out, f"ckpt-{rank}.json")
+    step = 0
+    if "--resume-from" in sys.argv:
+        with open(sys.argv[sys.argv.index("--resume-from") + 1]) as f:
+            token = json.load(f)
+        loader.load_state_dict(token)
+        step = token["step"]
+    elif "--resume" in sys.argv:
+        with open(ckpt) as f:
+            token = json.load(f)
+        loader.load_state_dict(token)
+        step = token["step"]
+    with open(os.path.join(out, f"stream-{rank}.txt"), "a") as f:
+        while step < total:
+            for batch in loader:
+                digest = hashlib.sha256(batch["x"].numpy().tobytes()).hexdigest()[:16]
+                f.write(f"{step} {batch['id'].tolist()} {digest}\n")
+                f.flush()
+                step += 1
+                if step % 3 == 0:
+                    token = loader.state_dict()
+                    with open(ckpt + ".tmp", "w") as t:
+                        json.dump(token, t)
+                    os.replace(ckpt + ".tmp", ckpt)
+                if step == total:
+                    break
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

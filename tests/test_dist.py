@@ -1,0 +1,135 @@
+"""Real multi-process groups (torchrun, gloo): collective commits, same-shape resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ledger.audit import summarize
+from ledger.commits import list_commits
+from ledger.store import Store
+
+CHILD = os.path.join(os.path.dirname(__file__), "dist_child.py")
+TOTAL = 14
+
+
+def torchrun(nproc: int, *args: str, port: int) -> int:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        CHILD,
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, timeout=300).returncode
+
+
+def streams(out, nproc):
+    result = []
+    for rank in range(nproc):
+        lines = {}
+        with open(os.path.join(out, f"stream-{rank}.txt")) as f:
+            for line in f:
+                step, rest = line.split(" ", 1)
+                lines[int(step)] = rest
+        result.append([lines[s] for s in sorted(lines)])
+    return result
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_collective_commits_and_same_shape_resume(tmp_path, nproc):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert torchrun(nproc, str(tmp_path / "ref-log"), str(ref), str(TOTAL), port=29510 + nproc) == 0
+    commits = list_commits(Store(str(tmp_path / "ref-log")))
+    assert [c.step for c in commits] == [3, 6, 9, 12]
+    for c in commits:  # one marker per step naming every rank's segment and state
+        assert sorted(s.rank for s in c.segments) == list(range(nproc))
+        assert [s.rank for s in c.states] == list(range(nproc))
+    # 3 batches of 4 per rank in the first commit (61 samples: every rank's batches are
+    # full until the last global step of the epoch)
+    assert [s.rows for s in commits[0].segments] == [12] * nproc
+    reference = streams(ref, nproc)
+    for rank in range(1, nproc):
+        assert reference[rank] != reference[0]  # ranks take different samples
+
+    # The audit's per-rank progress and skew, against the streams the ranks received.
+    def ids(line):
+        return [int(x) for x in line.split("]")[0][1:].split(",") if x.strip()]
+
+    summary = summarize(str(tmp_path / "ref-log"))
+    assert [a.world_size for a in summary.attempts] == [nproc]
+    committed = [sum(len(ids(line)) for line in reference[r][:12]) for r in range(nproc)]
+    assert [r.samples for r in summary.ranks] == committed
+    assert [r.behind for r in summary.ranks] == [max(committed) - c for c in committed]
+    spreads = []
+    for step in (3, 6, 9, 12):
+        seen = [sum(len(ids(line)) for line in reference[r][:step]) for r in range(nproc)]
+        spreads.append(max(seen) - min(seen))
+    assert summary.skew is not None and summary.skew.samples == max(spreads)
+
+    # Rank 1 dies after writing its segment of step 9: no marker for step 9 may exist.
+    run = tmp_path / "run"
+    run.mkdir()
+    log = str(tmp_path / "log")
+    rc = torchrun(nproc, log, str(run), str(TOTAL), "--die-after-segment", "9", port=29520 + nproc)
+    assert rc != 0
+    assert [c.step for c in list_commits(Store(log))] == [3, 6]
+    orphan = os.path.join(log, "events", "attempt=0", "rank=1", f"seg-{9:012d}.parquet")
+    assert os.path.exists(orphan)
+    for rank in range(nproc):
+        with open(run / f"ckpt-{rank}.json") as f:
+            assert json.load(f)["commit"] == "000000000006-0000"
+    assert torchrun(nproc, log, str(run), str(TOTAL), "--resume", port=29530 + nproc) == 0
+    assert streams(run, nproc) == reference
+    assert [c.id for c in list_commits(Store(log))][-1] == "000000000012-0001"
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_elastic_resume_two_to_one_to_three_consumes_each_sample_once(tmp_path, drop_last):
+    """61 samples, batch 4: 2 ranks for 6 steps, 1 rank to step 21, 3 ranks to step 27."""
+    log = str(tmp_path / "log")
+    extra = ["--drop-last"] if drop_last else []
+    port = 29540 + 10 * drop_last
+    shapes = [(2, 6), (1, 21), (3, 27)]  # each ends on a commit (every 3 steps)
+    for i, (nproc, total) in enumerate(shapes):
+        out = tmp_path / f"shape{i}"
+        out.mkdir()
+        resume = ["--resume-from", str(tmp_path / f"shape{i - 1}" / "ckpt-0.json")] if i else []
+        assert torchrun(nproc, log, str(out), str(total), *resume, *extra, port=port + i) == 0
+    store = Store(log)
+    commits = list_commits(store)
+    assert [(c.attempt, c.world_size) for c in commits][-1] == (2, 3)
+    # Ground truth from the streams the ranks received, in the order of the shapes.
+    seen = []
+    for i, (nproc, _) in enumerate(shapes):
+        for rank_stream in streams(tmp_path / f"shape{i}", nproc):
+            seen.extend(int(x) for line in rank_stream for x in line.split("]")[0][1:].split(","))
+    from ledger.audit import connect
+
+    con = connect(log)
+    rows = con.execute(
+        "SELECT epoch, count(*), count(DISTINCT sample_id) FROM lineage "
+        "WHERE kind = 'sample' GROUP BY 1 ORDER BY 1"
+    ).fetchall()
+    skips = dict(
+        con.execute("SELECT epoch, count(*) FROM lineage WHERE kind = 'skip' GROUP BY 1").fetchall()
+    )
+    assert sum(n for _, n, _ in rows) == len(seen)
+    for epoch, n, distinct in rows:
+        assert n == distinct  # exactly once
+        if epoch < rows[-1][0]:  # every finished epoch: each sample served or skipped
+            assert n + skips.get(epoch, 0) == 61
+    assert sorted(seen) == sorted(
+        con.execute("SELECT sample_id FROM lineage WHERE kind = 'sample'")
+        .fetchnumpy()["sample_id"]
+        .tolist()
+    )
