@@ -93,13 +93,18 @@ def test_collective_commits_and_same_shape_resume(tmp_path, nproc):
     assert [c.id for c in list_commits(Store(log))][-1] == "000000000012-0001"
 
 
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_elastic_resume_two_to_one_to_three_consumes_each_sample_once(tmp_path, drop_last):
-    """61 samples, batch 4: 2 ranks for 6 steps, 1 rank to step 21, 3 ranks to step 27."""
+@pytest.mark.parametrize(
+    "shapes,drop_last",
+    [
+        ([(2, 6), (1, 21), (3, 27)], False),  # 2 -> 1 -> 3 ranks
+        ([(1, 9), (2, 18), (3, 27)], True),  # 1 -> 2 -> 3 ranks
+    ],
+)
+def test_elastic_resume_consumes_each_sample_once(tmp_path, shapes, drop_last):
+    """61 samples, batch 4; (ranks, last step) per shape, each ending on a commit."""
     log = str(tmp_path / "log")
     extra = ["--drop-last"] if drop_last else []
     port = 29540 + 10 * drop_last
-    shapes = [(2, 6), (1, 21), (3, 27)]  # each ends on a commit (every 3 steps)
     for i, (nproc, total) in enumerate(shapes):
         out = tmp_path / f"shape{i}"
         out.mkdir()
@@ -108,6 +113,9 @@ def test_elastic_resume_two_to_one_to_three_consumes_each_sample_once(tmp_path, 
     store = Store(log)
     commits = list_commits(store)
     assert [(c.attempt, c.world_size) for c in commits][-1] == (2, 3)
+    assert sorted({(c.attempt, c.world_size) for c in commits}) == [
+        (i, n) for i, (n, _) in enumerate(shapes)
+    ]
     # Ground truth from the streams the ranks received, in the order of the shapes.
     seen = []
     for i, (nproc, _) in enumerate(shapes):

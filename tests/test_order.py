@@ -103,3 +103,29 @@ def test_sample_seeds_depend_on_sample_not_batch():
     assert np.array_equal(sample_seeds(0, 3, ids[::-1]), s[::-1])
     assert not np.array_equal(sample_seeds(0, 4, ids), s)
     assert not np.array_equal(sample_seeds(1, 3, ids), s)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 400),
+    b=st.integers(1, 40),
+    w=st.integers(1, 5),
+    drop_last=st.booleans(),
+    data=st.data(),
+)
+def test_batch_plan_from_a_start_partitions_the_rest_of_the_epoch(n, b, w, drop_last, data):
+    start = data.draw(st.integers(0, n))
+    taken = []
+    for r in range(w):
+        plan = BatchPlan(n, b, drop_last, r, w, start=start)
+        lo, hi = plan.bounds(0, plan.batches_per_epoch)
+        assert [plan.batch_bounds(k) for k in range(plan.batches_per_epoch)] == list(
+            zip(lo.tolist(), hi.tolist(), strict=True)
+        )
+        for a, z in zip(lo.tolist(), hi.tolist(), strict=True):
+            assert 0 < z - a <= b
+            taken.extend(range(a, z))
+    plan0 = BatchPlan(n, b, drop_last, 0, w, start=start)
+    assert sorted(taken) == list(range(start, plan0.consumed_per_epoch))
+    if drop_last:
+        assert (plan0.consumed_per_epoch - start) % (b * w) == 0
