@@ -4,6 +4,7 @@ Usage: torchrun --nproc_per_node W dist_child.py ROOT OUTDIR TOTAL [--resume]
        [--die-after-segment STEP]  (rank 1 SIGKILLs itself after writing that segment)
        [--resume-from FILE]  (every rank loads that token: elastic resume)
        [--drop-last]
+       [--shards DIR]  (a packed, shuffled stream over DIR/* instead of a dataset)
 Each rank appends "<step> <ids> <digest>" per batch to OUTDIR/stream-<rank>.txt and keeps
 its token in OUTDIR/ckpt-<rank>.json (written after every commit, every 3 steps).
 """
@@ -39,15 +40,36 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         Store.write_atomic = write_then_die
-    loader = ledger.DataLoader(
-        Augmented(61),
-        batch_size=4,
-        shuffle=True,
-        seed=5,
-        log=root,
-        num_workers=1,
-        drop_last="--drop-last" in sys.argv,
-    )
+    key = "x"
+    if "--shards" in sys.argv:
+        import numpy as np
+
+        from ledger.stream import Packer, ShardedSource, Stream
+
+        def tokens(record, ctx):
+            return np.frombuffer(record["text"].encode(), np.uint8).astype(np.int64) + 1
+
+        shards = sys.argv[sys.argv.index("--shards") + 1]
+        stream = Stream(
+            ShardedSource(os.path.join(shards, "*")),
+            transform=tokens,
+            shuffle_buffer=3,
+            packer=Packer(seq_len=16),
+        )
+        loader = ledger.DataLoader(
+            stream, batch_size=2, shuffle=True, seed=5, log=root, num_workers=2
+        )
+        key = "tokens"
+    else:
+        loader = ledger.DataLoader(
+            Augmented(61),
+            batch_size=4,
+            shuffle=True,
+            seed=5,
+            log=root,
+            num_workers=1,
+            drop_last="--drop-last" in sys.argv,
+        )
     ckpt = os.path.join(out, f"ckpt-{rank}.json")
     step = 0
     if "--resume-from" in sys.argv:
@@ -63,8 +85,9 @@ def main() -> None:
     with open(os.path.join(out, f"stream-{rank}.txt"), "a") as f:
         while step < total:
             for batch in loader:
-                digest = hashlib.sha256(batch["x"].numpy().tobytes()).hexdigest()[:16]
-                f.write(f"{step} {batch['id'].tolist()} {digest}\n")
+                digest = hashlib.sha256(batch[key].numpy().tobytes()).hexdigest()[:16]
+                ids = batch["id" if key == "x" else "sample_ids"].tolist()
+                f.write(f"{step} {ids} {digest}\n")
                 f.flush()
                 step += 1
                 if step % 3 == 0:

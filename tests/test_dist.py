@@ -141,3 +141,36 @@ def test_elastic_resume_consumes_each_sample_once(tmp_path, shapes, drop_last):
         .fetchnumpy()["sample_id"]
         .tolist()
     )
+
+
+def test_packed_stream_on_two_ranks_resumes_exactly(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for s in range(5):  # 5 shards over 2 ranks x 2 workers: one worker gets two
+        with open(shards / f"part-{s}.jsonl", "w") as f:
+            for i in range(4 + s):
+                f.write(json.dumps({"text": f"shard {s} doc {i} " + "q" * (5 * i)}) + "\n")
+    extra = ["--shards", str(shards)]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert torchrun(2, str(tmp_path / "ref-log"), str(ref), str(TOTAL), *extra, port=29561) == 0
+    run = tmp_path / "run"
+    run.mkdir()
+    log = str(tmp_path / "log")
+    rc = torchrun(2, log, str(run), str(TOTAL), "--die-after-segment", "9", *extra, port=29562)
+    assert rc != 0
+    assert [c.step for c in list_commits(Store(log))] == [3, 6]
+    assert torchrun(2, log, str(run), str(TOTAL), "--resume", *extra, port=29563) == 0
+    assert streams(run, 2) == streams(ref, 2)
+    # Every token of every document once per completed epoch of each rank.
+    from ledger.audit import connect
+
+    con = connect(log)
+    bad = con.execute(
+        """
+        SELECT rank, epoch, sample_id FROM lineage WHERE kind = 'span'
+        GROUP BY ALL HAVING sum(token_end - token_start) > any_value(length)
+            OR count(*) FILTER (WHERE token_start = 0) > 1
+        """
+    ).fetchall()
+    assert bad == []
