@@ -199,7 +199,9 @@ def _print_summary(s: Summary, fmt: str) -> None:
         )  # fmt: skip
     console.print(epochs)
     position = f"epoch {last.epoch}, position {last.position}" if last else "-"
-    console.print(f"last committed position: {position}", soft_wrap=True)
+    # Streams read out of order (several workers, a shuffle buffer): the furthest position
+    # is how far the epoch reaches, not a count of what was consumed (see coverage).
+    console.print(f"furthest committed position: {position}", soft_wrap=True)
     console.print(
         f"commits not in the lineage: {s.abandoned_commits}, with {s.abandoned_samples} "
         "samples seen by discarded models",

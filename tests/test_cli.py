@@ -205,11 +205,13 @@ def test_summary_table(root: str) -> None:
         f"run {RUN_ID}, dataset of 10 samples",
         "4 attempts, 6 commits, head 000000000005-0000",
     ]
-    assert "│ 1       │ 000000000004-0000 │ 1     │ 2       │ 10     │ 0                   │" in lines
+    assert (
+        "│ 1       │ 000000000004-0000 │ 1     │ 2       │ 10     │ 0                   │" in lines
+    )
     assert "│ 0     │ 9       │ 9        │ 90.00%   │ 0          │ 1       │" in lines
     assert "│ 1     │ 6       │ 6        │ 60.00%   │ 0          │ 0       │" in lines
     assert lines[-2:] == [
-        "last committed position: epoch 1, position 5",
+        "furthest committed position: epoch 1, position 5",
         "commits not in the lineage: 3, with 9 samples seen by discarded models",
     ]
 
