@@ -6,15 +6,28 @@ Kill the process at any instant, rerun with ``--resume``, and the batches the tr
 loop sees -- and, with deterministic kernels, the final weights -- are identical to a run
 that never stopped. ``tools/demo.py`` checks exactly that.
 
+Under ``torchrun`` (``WORLD_SIZE`` set) every rank joins a gloo process group, the model
+is wrapped in ``DistributedDataParallel`` and each rank's loader takes its share of every
+global step. A checkpoint is collective: every rank commits its log (``state_dict()``)
+at the same step, and rank 0 writes the file with every rank's data token and RNG state.
+``--resume`` with the same world size gives each rank its own token back; with another
+world size every rank resumes from rank 0's token and the loader continues the epoch
+with the new shape, each sample still consumed exactly once (``tools/demo_elastic.py``
+shows it).
+
 Layout under ``--root DIR``::
 
     DIR/log/                the ledger root (events, commits, journal)
-    DIR/ckpt/step-*.pt      checkpoints: model, optimizer, step, torch RNG, data token
-    DIR/final.pt            model state_dict after the last step
+    DIR/ckpt/step-*.pt      checkpoints: model, optimizer, step, torch RNG, data token;
+                            ``world_size`` and ``ranks`` (each rank's token and RNG)
+    DIR/final.pt            model state_dict after the last step (rank 0)
 
 Example:
     python examples/train_lm.py --root runs/lm --steps 300 --stream-out runs/lm/stream.jsonl
     python examples/train_lm.py --root runs/lm --steps 300 --resume   # after a crash
+    torchrun --nproc_per_node 2 examples/train_lm.py --root runs/lm2 --steps 300 \
+        --stream-out runs/lm2/stream.jsonl          # per rank: stream.jsonl.rank0, .rank1
+    torchrun --nproc_per_node 1 examples/train_lm.py --root runs/lm2 --steps 300 --resume
 """
 
 from __future__ import annotations
@@ -32,7 +45,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import ledger
 
@@ -136,6 +151,92 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return max(found, key=lambda p: p.name) if found else None
 
 
+def init_distributed() -> tuple[int, int]:
+    """Join torchrun's process group (gloo) when launched by torchrun.
+
+    Returns:
+        ``(rank, world_size)``; ``(0, 1)`` when ``WORLD_SIZE`` is not in the environment.
+    """
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def rank_path(path: Path, rank: int) -> Path:
+    """``path`` for one rank when distributed (``stream.jsonl.rank1``), else ``path``."""
+    return path.with_name(f"{path.name}.rank{rank}") if dist.is_initialized() else path
+
+
+def save_checkpoint(
+    path: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int, token: dict
+) -> None:
+    """Write a checkpoint holding every rank's data token and torch RNG state.
+
+    Collective when distributed: every rank calls it at the same step, after its
+    ``loader.state_dict()``; rank 0 gathers the others' token and RNG and writes the
+    file. ``data`` and ``rng`` are rank 0's (what a resume with another world size
+    uses); ``ranks[r]`` holds rank ``r``'s, for a resume with the same world size.
+    """
+    mine = {"data": token, "rng": torch.get_rng_state()}
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    ranks: list[dict] | None = [mine]
+    if world_size > 1:
+        # Pickled between live processes only: the file itself loads with weights_only.
+        ranks = [{} for _ in range(world_size)] if dist.get_rank() == 0 else None
+        dist.gather_object(mine, ranks, dst=0)
+    if ranks is None:
+        return
+    ck = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": step,
+        "rng": ranks[0]["rng"],
+        "data": ranks[0]["data"],
+        "world_size": world_size,
+        "ranks": ranks,
+    }
+    atomic_save(ck, path)
+
+
+def load_checkpoint(
+    ckpt_dir: Path, model: nn.Module, opt: torch.optim.Optimizer, loader: ledger.DataLoader
+) -> tuple[Path, int, int] | None:
+    """Restore model, optimizer, torch RNG and loader from the latest checkpoint.
+
+    With the world size the checkpoint was written with, each rank restores its own
+    token and RNG; with another (an elastic resume) every rank restores rank 0's, and
+    ``loader.load_state_dict`` redistributes the rest of the epoch over the new ranks.
+
+    Returns:
+        ``(path, step, world size that wrote it)``, or ``None`` without a checkpoint.
+    """
+    path = latest_checkpoint(ckpt_dir)
+    if dist.is_initialized():  # every rank must resume from the same file
+        chosen = [path]
+        dist.broadcast_object_list(chosen, src=0)
+        path = chosen[0]
+    if path is None:
+        return None
+    ck = torch.load(path, weights_only=True)
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    saved_world = int(ck.get("world_size", 1))
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = ck["ranks"][rank] if saved_world == world_size and "ranks" in ck else ck
+    torch.set_rng_state(mine["rng"])
+    loader.load_state_dict(mine["data"])
+    return path, int(ck["step"]), saved_world
+
+
+def finish_distributed() -> None:
+    """Wait for every rank, then leave the process group (no-op without one)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", type=Path, required=True, help="run directory (log, checkpoints)")
@@ -169,12 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    rank, world_size = init_distributed()
 
     ckpt_dir = args.root / "ckpt"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
 
     dataset = StdlibWindows(args.seq_len, args.max_files, args.max_samples)
-    loader = ledger.DataLoader(
+    loader = ledger.DataLoader(  # rank and world size come from the process group
         dataset,
         batch_size=args.batch_size,
         shuffle=True,
@@ -187,21 +289,28 @@ def main(argv: list[str] | None = None) -> int:
     step = 0
 
     if args.resume:
-        path = latest_checkpoint(ckpt_dir)
-        if path is None:
+        try:
+            resumed = load_checkpoint(ckpt_dir, model, opt, loader)
+        except ledger.errors.LedgerError as e:  # e.g. another batch size, or world size
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if resumed is None:
             print(f"error: --resume given but no checkpoint in {ckpt_dir}", file=sys.stderr)
             return 2
-        ck = torch.load(path, weights_only=True)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        step = ck["step"]
-        torch.set_rng_state(ck["rng"])
-        loader.load_state_dict(ck["data"])
-        print(f"resumed from {path.name} at step {step}", flush=True)
+        path, step, saved_world = resumed
+        if rank == 0:
+            shape = (
+                f" (world size {saved_world} -> {world_size})" if saved_world != world_size else ""
+            )
+            print(f"resumed from {path.name} at step {step}{shape}", flush=True)
 
-    model.train()
+    # Wrapped after the resume, so the checkpoint's weights are what DDP broadcasts.
+    net = DistributedDataParallel(model) if dist.is_initialized() else model
+    net.train()
     with contextlib.ExitStack() as stack:
-        stream = stack.enter_context(open(args.stream_out, "a")) if args.stream_out else None
+        stream = None
+        if args.stream_out:
+            stream = stack.enter_context(open(rank_path(args.stream_out, rank), "a"))
         while step < args.steps:
             for batch in loader:
                 x, y = batch["input"], batch["target"]
@@ -211,34 +320,31 @@ def main(argv: list[str] | None = None) -> int:
                     stream.write(json.dumps(line) + "\n")
                     stream.flush()
 
-                logits = model(x)
+                logits = net(x)
                 loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                print(f"step {step} loss {loss.item():.4f}", flush=True)
+                if rank == 0:
+                    print(f"step {step} loss {loss.item():.4f}", flush=True)
                 step += 1
 
                 if step % args.ckpt_every == 0 or step == args.steps:
                     # Commit the log first: a checkpoint must never name a commit that does
                     # not exist. A crash in between leaves a commit without a checkpoint,
-                    # which the next attempt treats as an abandoned branch.
+                    # which the next attempt treats as an abandoned branch. Every rank
+                    # commits here, at the same step: the commit is collective.
                     token = loader.state_dict()
                     if step == args.die_after_commit:
                         os.kill(os.getpid(), signal.SIGKILL)
-                    ck = {
-                        "model": model.state_dict(),
-                        "optimizer": opt.state_dict(),
-                        "step": step,
-                        "rng": torch.get_rng_state(),
-                        "data": token,
-                    }
-                    atomic_save(ck, ckpt_dir / f"step-{step:08d}.pt")
+                    save_checkpoint(ckpt_dir / f"step-{step:08d}.pt", model, opt, step, token)
                 if step >= args.steps:
                     break
 
-    atomic_save(model.state_dict(), args.root / "final.pt")
-    print(f"done: {step} steps, final weights in {args.root / 'final.pt'}", flush=True)
+    if rank == 0:
+        atomic_save(model.state_dict(), args.root / "final.pt")
+        print(f"done: {step} steps, final weights in {args.root / 'final.pt'}", flush=True)
+    finish_distributed()
     return 0
 
 

@@ -28,6 +28,12 @@ loss through ``sample_ids``, not through the token value.
 Layout under ``--root DIR``: as for ``train_lm.py`` (``log/``, ``ckpt/``, ``final.pt``),
 plus ``shards/`` when ``--shards-dir`` is not given.
 
+Under ``torchrun`` it runs data parallel as ``train_lm.py`` does (gloo, DDP, collective
+checkpoints holding every rank's token, ``--stream-out`` per rank). Each rank's logical
+workers read their own shards, so ranks may end their epochs at different steps; the
+training steps stay in lockstep. ``--resume`` needs the world size of the checkpoint: a
+stream cannot change it yet (``ledger`` refuses with ``ConfigMismatch``).
+
 Example:
     python examples/train_lm_packed.py --root runs/packed --steps 200 --max-files 40
     python examples/train_lm_packed.py --root runs/packed --steps 200 --resume
@@ -47,7 +53,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import ledger
 from ledger.stream import Packer, SampleContext, ShardedSource, Stream
@@ -56,7 +64,16 @@ from ledger.stream import Packer, SampleContext, ShardedSource, Stream
 _REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_REPO / "examples"), str(_REPO / "tools")]
 from make_shards import make_shards, read_manifest  # noqa: E402
-from train_lm import VOCAB, TinyLM, atomic_save, latest_checkpoint  # noqa: E402
+from train_lm import (  # noqa: E402
+    VOCAB,
+    TinyLM,
+    atomic_save,
+    finish_distributed,
+    init_distributed,
+    load_checkpoint,
+    rank_path,
+    save_checkpoint,
+)
 
 EOS = 0  # also the padding id; see the module docstring
 DROP_FIRST_LINE_P = 0.1
@@ -159,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    rank, _ = init_distributed()
 
     ckpt_dir = args.root / "ckpt"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -188,21 +206,24 @@ def main(argv: list[str] | None = None) -> int:
     step = 0
 
     if args.resume:
-        path = latest_checkpoint(ckpt_dir)
-        if path is None:
+        try:
+            resumed = load_checkpoint(ckpt_dir, model, opt, loader)
+        except ledger.errors.LedgerError as e:  # e.g. another batch size, or world size
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if resumed is None:
             print(f"error: --resume given but no checkpoint in {ckpt_dir}", file=sys.stderr)
             return 2
-        ck = torch.load(path, weights_only=True)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        step = ck["step"]
-        torch.set_rng_state(ck["rng"])
-        loader.load_state_dict(ck["data"])
-        print(f"resumed from {path.name} at step {step}", flush=True)
+        path, step, _ = resumed
+        if rank == 0:
+            print(f"resumed from {path.name} at step {step}", flush=True)
 
-    model.train()
+    net = DistributedDataParallel(model) if dist.is_initialized() else model
+    net.train()
     with contextlib.ExitStack() as stack:
-        out = stack.enter_context(open(args.stream_out, "a")) if args.stream_out else None
+        out = None
+        if args.stream_out:
+            out = stack.enter_context(open(rank_path(args.stream_out, rank), "a"))
         while step < args.steps:
             for batch in loader:
                 if out is not None:
@@ -210,32 +231,28 @@ def main(argv: list[str] | None = None) -> int:
                     out.write(json.dumps(line) + "\n")
                     out.flush()
 
-                loss = batch_loss(model, batch)
+                loss = batch_loss(net, batch)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                print(f"step {step} loss {loss.item():.4f}", flush=True)
+                if rank == 0:
+                    print(f"step {step} loss {loss.item():.4f}", flush=True)
                 step += 1
 
                 if step % args.ckpt_every == 0 or step == args.steps:
                     # Log commit first, as in train_lm.py: a checkpoint never names a
-                    # commit that does not exist.
+                    # commit that does not exist. Collective: every rank, same step.
                     token = loader.state_dict()
                     if step == args.die_after_commit:
                         os.kill(os.getpid(), signal.SIGKILL)
-                    ck = {
-                        "model": model.state_dict(),
-                        "optimizer": opt.state_dict(),
-                        "step": step,
-                        "rng": torch.get_rng_state(),
-                        "data": token,
-                    }
-                    atomic_save(ck, ckpt_dir / f"step-{step:08d}.pt")
+                    save_checkpoint(ckpt_dir / f"step-{step:08d}.pt", model, opt, step, token)
                 if step >= args.steps:
                     break
 
-    atomic_save(model.state_dict(), args.root / "final.pt")
-    print(f"done: {step} steps, final weights in {args.root / 'final.pt'}", flush=True)
+    if rank == 0:
+        atomic_save(model.state_dict(), args.root / "final.pt")
+        print(f"done: {step} steps, final weights in {args.root / 'final.pt'}", flush=True)
+    finish_distributed()
     return 0
 
 

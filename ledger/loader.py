@@ -16,8 +16,12 @@ How a batch flows:
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
 import os
 import random
+import signal
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -156,6 +160,43 @@ def _default_collate(batch: list[Any]) -> Any:
     return tud.default_collate(batch)
 
 
+class _WorkerInit:
+    """Runs in each worker first: die with the main process, then the user's init.
+
+    torch's worker watchdog compares the parent pid with the one it saw at start-up; a
+    worker forked just before its parent is SIGKILLed sees pid 1 there and never exits
+    (holding memory and the parent's pipes). ``PR_SET_PDEATHSIG`` (prctl(2), Linux) has
+    the kernel kill the worker with its parent; the pid check covers a parent that died
+    before the call.
+    """
+
+    def __init__(self, fn: Callable[[int], None] | None, main_pid: int, check: bool) -> None:
+        self.fn = fn
+        self.main_pid = main_pid
+        self.check = check
+
+    def __call__(self, worker_id: int) -> None:
+        if self.check:
+            if sys.platform.startswith("linux"):
+                ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+            if os.getppid() != self.main_pid:
+                os._exit(0)
+        if self.fn is not None:
+            self.fn(worker_id)
+
+
+def _worker_init(fn: Callable[[int], None] | None, context: Any) -> _WorkerInit:
+    method = (
+        context
+        if isinstance(context, str)
+        else context.get_start_method()
+        if context is not None
+        else multiprocessing.get_start_method()
+    )
+    # With fork and spawn the main process is the parent; a forkserver is not.
+    return _WorkerInit(fn, os.getpid(), method in ("fork", "spawn"))
+
+
 class DataLoader:
     """A torch DataLoader whose every consumed sample is logged, and that resumes exactly.
 
@@ -260,7 +301,7 @@ class DataLoader:
         torch_kwargs: dict[str, Any] = {
             "pin_memory": pin_memory,
             "timeout": timeout,
-            "worker_init_fn": worker_init_fn,
+            "worker_init_fn": _worker_init(worker_init_fn, multiprocessing_context),
             "multiprocessing_context": multiprocessing_context,
             "generator": generator,
             "prefetch_factor": prefetch_factor,

@@ -78,7 +78,8 @@ class RankSummary:
         epoch: epoch of its next batch.
         epoch_batch: batches of that epoch it has consumed.
         batch: batches it has consumed over the lineage (its next batch index).
-        samples: samples it consumed in the lineage (all epochs).
+        samples: samples it consumed in the lineage since the world size last changed
+            (a rank of an earlier shape is another process).
         behind: samples it trails the rank that consumed the most (0: not a straggler).
     """
 
@@ -251,11 +252,16 @@ def _ranks(con: duckdb.DuckDBPyConnection, head: str) -> tuple[RankSummary, ...]
         f"""
         SELECT s.rank, s.epoch, s.epoch_batch, s.batch, coalesce(l.samples, 0)
         FROM states AS s LEFT JOIN (
-            SELECT rank, count(*) FILTER (WHERE {CONSUMED}) AS samples FROM lineage GROUP BY 1
+            SELECT rank, count(*) FILTER (WHERE {CONSUMED}) AS samples FROM lineage
+            WHERE step > (
+                SELECT coalesce(max(step), -1) FROM commits WHERE in_lineage AND world_size
+                    <> (SELECT world_size FROM commits WHERE commit_id = ?)
+            )
+            GROUP BY 1
         ) AS l USING (rank)
         WHERE s.commit_id = ? ORDER BY s.rank
         """,
-        [head],
+        [head, head],
     ).fetchall()
     most = max((r[4] for r in rows), default=0)
     return tuple(RankSummary(*r, most - r[4]) for r in rows)
