@@ -264,7 +264,12 @@ def _ranks(con: duckdb.DuckDBPyConnection, head: str) -> tuple[RankSummary, ...]
         [head, head],
     ).fetchall()
     most = max((r[4] for r in rows), default=0)
-    return tuple(RankSummary(*r, most - r[4]) for r in rows)
+    return tuple(
+        RankSummary(
+            rank=r[0], epoch=r[1], epoch_batch=r[2], batch=r[3], samples=r[4], behind=most - r[4]
+        )
+        for r in rows
+    )
 
 
 def _skew(con: duckdb.DuckDBPyConnection) -> Skew | None:
