@@ -62,6 +62,8 @@ class WorkerState:
         doc: sample id of the document the packer is in the middle of, ``-1`` for none.
         doc_offset: tokens of ``doc`` already packed.
         doc_length: tokens of ``doc``, EOS included.
+        tails: samples another world size or worker count left partly packed, to
+            finish before reading on: ``(sample id, token offset, length)``.
     """
 
     worker: int
@@ -73,6 +75,12 @@ class WorkerState:
     doc: int = -1
     doc_offset: int = 0
     doc_length: int = 0
+    tails: tuple[tuple[int, int, int], ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkerState:
+        tails = tuple((int(a), int(b), int(c)) for a, b, c in d.get("tails", ()))
+        return cls(**{**d, "tails": tails})
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +97,9 @@ class PipelineState:
         next_worker: streams only: the logical worker whose batch comes next.
         epoch_start: position where the current world size began stepping through
             ``epoch`` (0 unless the epoch was resumed with another world size).
+        origin: streams only: the commit an attempt with another world size or worker
+            count resumed from; the epochs unfinished there are served from what that
+            commit left (:func:`ledger.stream.pipeline.carry_over`). ``""``: none.
     """
 
     rank: int = 0
@@ -98,6 +109,7 @@ class PipelineState:
     workers: tuple[WorkerState, ...] = ()
     next_worker: int = 0
     epoch_start: int = 0
+    origin: str = ""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PipelineState:
@@ -106,9 +118,10 @@ class PipelineState:
             int(d["epoch"]),
             int(d["epoch_batch"]),
             int(d["batch"]),
-            tuple(WorkerState(**w) for w in d.get("workers", ())),
+            tuple(WorkerState.from_dict(w) for w in d.get("workers", ())),
             int(d.get("next_worker", 0)),
             int(d.get("epoch_start", 0)),
+            str(d.get("origin", "")),
         )
 
 
@@ -125,7 +138,7 @@ _HINTS = {
 
 
 # Recorded in run.json but free to change between attempts (elastic resume).
-ELASTIC_KEYS = ("world_size",)
+ELASTIC_KEYS = ("world_size", "workers")
 
 
 def open_run(store: Store, config: dict[str, Any]) -> str:

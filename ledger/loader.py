@@ -32,7 +32,7 @@ import torch
 import torch.utils.data as tud
 
 from ledger.commits import Commit, PipelineState, read_run
-from ledger.errors import ConfigMismatch, LedgerError, TokenError, WrongRoot
+from ledger.errors import LedgerError, TokenError, WrongRoot
 from ledger.log import Ledger
 from ledger.order import BatchPlan, EpochOrder, sample_seeds
 from ledger.replay import advance, replay, resume_elastic
@@ -318,6 +318,7 @@ class DataLoader:
                 collate_fn=collate_fn or _default_collate,
                 per_sample_rng=per_sample_rng,
                 torch_kwargs=torch_kwargs,
+                store=self._ledger.store,
             )
             self._torch_loader = self._stream.torch_loader
             self._state = self._stream.initial_state()
@@ -539,14 +540,6 @@ class DataLoader:
             raise TokenError(
                 f"the token is rank {token['rank']}'s, this loader is rank {self._plan.rank}: "
                 "give each rank its own token"
-            )
-        if elastic and self._stream is not None:
-            raise ConfigMismatch(
-                "world_size",
-                token["world_size"],
-                self._plan.world_size,
-                "Elastic resume of a stream is not supported yet (map-style datasets "
-                f"only): resume with world_size={token['world_size']}.",
             )
         if token["commit"] == "":
             head = None

@@ -174,3 +174,42 @@ def test_packed_stream_on_two_ranks_resumes_exactly(tmp_path):
         """
     ).fetchall()
     assert bad == []
+
+
+def test_elastic_packed_stream_two_to_one_to_three_ranks(tmp_path):
+    """Buffers and packing remainders in flight at each change of world size."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for s in range(6):
+        with open(shards / f"part-{s}.jsonl", "w") as f:
+            for i in range(3 + s):
+                f.write(json.dumps({"text": f"shard {s} doc {i} " + "w" * (4 * i)}) + "\n")
+    extra = ["--shards", str(shards)]
+    log = str(tmp_path / "log")
+    for i, (nproc, total) in enumerate([(2, 6), (1, 18), (3, 48)]):
+        out = tmp_path / f"shape{i}"
+        out.mkdir()
+        resume = ["--resume-from", str(tmp_path / f"shape{i - 1}" / "ckpt-0.json")] if i else []
+        rc = torchrun(nproc, log, str(out), str(total), *resume, *extra, port=29570 + i)
+        assert rc == 0
+    from ledger.audit import connect
+
+    con = connect(log)
+    head = list_commits(Store(log))[-1]
+    assert head.world_size == 3
+    done = min(s.epoch for s in head.states)  # epochs every rank has finished
+    assert done >= 2
+    rows = con.execute(
+        """
+        SELECT epoch, sample_id, sum(token_end - token_start), any_value(length),
+               min(token_start), max(token_end)
+        FROM lineage WHERE kind = 'span' AND epoch < ? GROUP BY 1, 2 ORDER BY 1, 2
+        """,
+        [done],
+    ).fetchall()
+    total_docs = sum(3 + s for s in range(6))
+    for epoch in range(done):
+        docs = [r for r in rows if r[0] == epoch]
+        assert [r[1] for r in docs] == list(range(total_docs)), epoch
+        for _, sid, tokens, length, lo, hi in docs:
+            assert (tokens, lo, hi) == (length, 0, length), (epoch, sid)

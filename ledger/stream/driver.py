@@ -17,17 +17,18 @@ import pyarrow.compute as pc
 import torch.utils.data as tud
 
 from ledger import segments
-from ledger.commits import Commit, PipelineState, lineage
+from ledger.commits import Commit, PipelineState, WorkerState, lineage, read_commit
 from ledger.errors import LedgerError, LogCorrupted
 from ledger.schema import BUFFER, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
 from ledger.stream.pipeline import (
     BatchMeta,
     EpochPlan,
+    Piece,
     Replica,
     Stream,
     StreamDataset,
-    fresh_workers,
+    carry_over,
     identity,
     next_worker,
     replicas,
@@ -58,11 +59,14 @@ class StreamDriver:
         collate_fn: Callable[[list[Any]], Any],
         per_sample_rng: bool,
         torch_kwargs: dict[str, Any],
+        store: Store,
     ) -> None:
         self.stream = stream
         self.seed = seed
         self.rank = rank
+        self.world_size = world_size
         self.workers = max(num_workers, 1)
+        self.store = store
         self.dataset = StreamDataset(
             stream,
             seed,
@@ -83,40 +87,84 @@ class StreamDriver:
         )
         self.buffers: dict[int, list[int]] = {}
         self.replicas: list[Replica] = []
-        self._plans: dict[int, EpochPlan] = {}
+        self._plans: dict[tuple[int, str, int, int], EpochPlan] = {}
+        self._carries: dict[tuple[str, int, int], dict[int, Any] | None] = {}
 
     def initial_state(self) -> PipelineState:
-        return PipelineState(self.rank, 0, 0, 0, fresh_workers(self.workers), 0)
+        return self.epoch_start(0, 0, "")
 
     def config(self) -> dict[str, Any]:
         return {**self.stream.config(), "workers": self.workers}
 
-    def plan(self, epoch: int) -> EpochPlan:
-        plan = self._plans.get(epoch)
+    def plan(
+        self, epoch: int, origin: str, world_size: int | None = None, workers: int | None = None
+    ) -> EpochPlan:
+        """The plan of ``epoch`` for a shape (default: this loader's) that began at
+        ``origin`` (``""``: the run's start; else the commit it resumed from)."""
+        world_size = world_size or self.world_size
+        workers = workers or self.workers
+        key = (epoch, origin, world_size, workers)
+        plan = self._plans.get(key)
         if plan is None:
-            plan = self.dataset.plan(epoch)
-            self._plans = {epoch: plan}
+            carry = self._carry(origin, epoch, world_size * workers) if origin else None
+            plan = self.dataset.plan(epoch, carry, world_size, workers)
+            if len(self._plans) > 16:
+                self._plans.clear()
+            self._plans[key] = plan
         return plan
+
+    def _carry(self, origin: str, epoch: int, total: int) -> dict[int, Any] | None:
+        """What the shape before ``origin`` left of ``epoch``, dealt to ``total`` workers."""
+        key = (origin, epoch, total)
+        if key not in self._carries:
+            head = read_commit(self.store, origin)
+            states = sorted(head.states, key=lambda s: s.rank)
+            old = self.plan(epoch, states[0].origin, head.world_size, len(states[0].workers))
+            # An epoch is carried if an old rank was in it or had yet to reach it while the
+            # old shape itself served it from a carry (two reshapes in one epoch).
+            carried = epoch <= max(s.epoch for s in states) or old.carry is not None
+            if epoch < min(s.epoch for s in states) or not carried:
+                self._carries[key] = None
+            else:
+                buffers = {
+                    (s.rank, w): ids
+                    for s in states
+                    if s.epoch == epoch
+                    for w, ids in self._snapshot(head, s).items()
+                }
+                self._carries[key] = carry_over(old, [(s.rank, s) for s in states], buffers, total)
+        return self._carries[key]
+
+    def epoch_start(self, epoch: int, batch: int, origin: str) -> PipelineState:
+        """The state at the start of ``epoch`` (or, in epochs an earlier shape left
+        unfinished, of the first one that gives this rank anything to serve)."""
+        while True:
+            plan = self.plan(epoch, origin)
+            workers = tuple(
+                WorkerState(w, tails=tuple(plan.tails(self.rank, w))) for w in range(self.workers)
+            )
+            if plan.carry is None or any(
+                plan.pieces(self.rank, w) or plan.tails(self.rank, w) for w in range(self.workers)
+            ):
+                return PipelineState(self.rank, epoch, 0, batch, workers, 0, origin=origin)
+            epoch += 1
 
     def begin(self, state: PipelineState) -> None:
         """Prepare an iteration from ``state`` (workers are forked with this state)."""
+        plan = self.plan(state.epoch, state.origin)
         self.replicas = replicas(
-            self.stream,
-            self.plan(state.epoch),
-            self.rank,
-            self.seed,
-            state.workers,
-            self.buffers,
+            self.stream, plan, self.rank, self.seed, state.workers, self.buffers
         )
         if all(r.exhausted() for r in self.replicas):
             raise LedgerError(
                 f"rank {self.rank} gets no shard in epoch {state.epoch}: the stream has "
                 f"{len(self.stream.source.files)} shards for "
-                f"{self.dataset.world_size * self.workers} workers in all; use fewer workers "
+                f"{self.world_size * self.workers} workers in all; use fewer workers "
                 "or more shards"
             )
         self.dataset.start = state
         self.dataset.buffers = self.buffers
+        self.dataset.epoch_plan = plan
 
     def record(self, state: PipelineState, meta: BatchMeta) -> tuple[EventChunk, PipelineState]:
         """Fold one consumed batch: the events to log and the state after it.
@@ -132,7 +180,7 @@ class StreamDriver:
             )
         replica = self.replicas[meta.worker]
         replica.fold(meta)
-        positions = self.plan(state.epoch).positions(meta.sample_ids)
+        positions = self.plan(state.epoch, state.origin).positions(meta.sample_ids)
         values = meta.draws if any(d is not None for d in meta.draws) else None
         spans = meta.spans
         chunk = EventChunk(
@@ -151,9 +199,7 @@ class StreamDriver:
         after = next_worker(self.replicas, meta.worker)
         if after < 0:  # every logical worker of the rank finished: the epoch is over
             self.buffers = {}
-            nxt = PipelineState(
-                self.rank, state.epoch + 1, 0, state.batch + 1, fresh_workers(self.workers), 0
-            )
+            nxt = self.epoch_start(state.epoch + 1, state.batch + 1, state.origin)
         else:
             self.buffers = {r.worker: list(r.feed.ids) for r in self.replicas}
             nxt = PipelineState(
@@ -163,6 +209,7 @@ class StreamDriver:
                 state.batch + 1,
                 tuple(r.state() for r in self.replicas),
                 after,
+                origin=state.origin,
             )
         return chunk, nxt
 
@@ -197,24 +244,25 @@ class StreamDriver:
     def replay(self, store: Store, head: Commit) -> PipelineState:
         """Rebuild the rank's state and buffers at ``head`` from the log, and check them.
 
+        With the world size and worker count of ``head``, the rank continues exactly
+        where it stood. With another shape, every rank starts over in the oldest epoch
+        an old rank had not finished, serving what the old shape left
+        (:func:`~ledger.stream.pipeline.carry_over`): every sample and every token of each
+        epoch is then consumed exactly once across the shapes, in an order that is a
+        function of the new shape.
+
         Raises:
             LogCorrupted: if the buffer snapshot is missing or disagrees with the cursors.
         """
+        self.store = store
+        states = head.states
+        if head.world_size != self.world_size or len(states[0].workers) != self.workers:
+            self.buffers = {}
+            ahead = states[0]
+            return self.epoch_start(min(s.epoch for s in states), ahead.batch, head.id)
         state = head.state(self.rank)
-        if len(state.workers) != self.workers:
-            raise LogCorrupted(
-                f"commit {head.id} records {len(state.workers)} workers for rank {self.rank}, "
-                f"the run has {self.workers}"
-            )
-        buffers: dict[int, list[int]] = {}
-        if any(w.rows_read > w.emitted for w in state.workers):
-            table = self._snapshot_table(store, head)
-            table = table.filter(pc.equal(table["batch"], state.batch))
-            for worker in range(self.workers):
-                rows = table.filter(pc.equal(table["worker"], worker))
-                order = np.argsort(rows["position"].to_numpy())
-                buffers[worker] = rows["sample_id"].to_numpy()[order].tolist()
-        plan = self.plan(state.epoch)
+        buffers = self._snapshot(head, state)
+        plan = self.plan(state.epoch, state.origin)
         for w in state.workers:
             ids = buffers.get(w.worker, [])
             expected = w.rows_read - w.emitted if self.stream.shuffle_buffer else 0
@@ -224,40 +272,49 @@ class StreamDriver:
                     f"{w.emitted}, so its buffer holds {expected}, but the log's snapshot "
                     f"holds {len(ids)}"
                 )
-            self._check_read(plan, w.worker, w.shard, w.row, ids, head.id)
+            self._check_read(plan.pieces(self.rank, w.worker), w, ids, head.id)
         self.buffers = buffers
         return state
 
-    def _snapshot_table(self, store: Store, head: Commit) -> pa.Table:
-        chain = lineage(store, head.id)
+    def _snapshot(self, head: Commit, state: PipelineState) -> dict[int, list[int]]:
+        """Buffer contents of ``state``'s rank at ``head``, by worker, in slot order."""
+        if not any(w.rows_read > w.emitted for w in state.workers):
+            return {}
+        chain = lineage(self.store, head.id)
         ref = next(
-            (s for c in reversed(chain) for s in c.segments if s.rank == self.rank and s.rows),
+            (s for c in reversed(chain) for s in c.segments if s.rank == state.rank and s.rows),
             None,
         )
         if ref is None:
             raise LogCorrupted(f"commit {head.id} has buffered samples but no segment")
         table = segments.read(
-            store,
+            self.store,
             ref.path,
             rows=ref.rows,
             checksum=ref.sha256,
             columns=["worker", "batch", "position", "sample_id", "kind"],
         )
-        return table.filter(pc.equal(table["kind"].cast(pa.string()), BUFFER))
+        table = table.filter(pc.equal(table["kind"].cast(pa.string()), BUFFER))
+        table = table.filter(pc.equal(table["batch"], state.batch))
+        buffers = {}
+        for w in state.workers:
+            rows = table.filter(pc.equal(table["worker"], w.worker))
+            order = np.argsort(rows["position"].to_numpy())
+            buffers[w.worker] = rows["sample_id"].to_numpy()[order].tolist()
+        return buffers
 
-    def _check_read(
-        self, plan: EpochPlan, worker: int, shard: int, row: int, ids: list[int], cid: str
-    ) -> None:
+    def _check_read(self, pieces: list[Piece], w: WorkerState, ids: list[int], cid: str) -> None:
         """Every buffered id must be a row the worker has already read."""
         if not ids:
             return
-        shards = plan.shards(self.rank, worker)
         files, rows = self.stream.source.locate(np.array(ids, np.int64))
-        index = {f: i for i, f in enumerate(shards)}
         for f, r, sid in zip(files.tolist(), rows.tolist(), ids, strict=True):
-            k = index.get(f)
-            if k is None or k > shard or (k == shard and r >= row):
+            done = any(
+                pf == f and start <= r < stop and (k < w.shard or (k == w.shard and r < w.row))
+                for k, (pf, start, stop) in enumerate(pieces)
+            )
+            if not done:
                 raise LogCorrupted(
-                    f"commit {cid}: worker {worker}'s buffer holds sample {sid}, which its "
+                    f"commit {cid}: worker {w.worker}'s buffer holds sample {sid}, which its "
                     "plan has not read yet: the log and the source disagree"
                 )

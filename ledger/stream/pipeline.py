@@ -138,11 +138,18 @@ class EpochPlan:
     rank ``r``'s worker ``l`` is global worker ``r * workers + l``. ``position`` of a row
     is its index in the concatenation of the shards in that order.
 
+    A worker reads *pieces*: row ranges ``(shard, start, stop)``; in a fresh plan each is
+    a whole shard. An epoch interrupted by a change of world size or workers is finished
+    from a ``carry``: the pieces and document tails the old shape left unread, dealt to
+    the new workers (:func:`carry_over`).
+
     Args:
         source: the rows.
         seed, epoch, shuffle: as for the loader (``shuffle=False``: shards in path order).
         world_size: ranks.
         workers: logical workers per rank (>= 1).
+        carry: by global logical worker, ``(pieces, tails)`` left by an earlier shape, or
+            ``None`` for a fresh plan.
     """
 
     source: ShardedSource
@@ -151,6 +158,7 @@ class EpochPlan:
     shuffle: bool
     world_size: int
     workers: int
+    carry: dict[int, tuple[list[Piece], list[Tail]]] | None = None
     order: np.ndarray = field(init=False, repr=False)
     plan_start: np.ndarray = field(init=False, repr=False)
 
@@ -165,9 +173,21 @@ class EpochPlan:
         object.__setattr__(self, "plan_start", start)
 
     def shards(self, rank: int, worker: int) -> list[int]:
-        """Shard indices (into ``source.files``) of a logical worker, in reading order."""
+        """Shard indices (into ``source.files``) of a logical worker in a fresh plan."""
         total = self.world_size * self.workers
         return self.order[rank * self.workers + worker :: total].tolist()
+
+    def pieces(self, rank: int, worker: int) -> list[Piece]:
+        """Row ranges ``(shard, start, stop)`` a logical worker reads, in order."""
+        if self.carry is not None:
+            return self.carry.get(rank * self.workers + worker, ([], []))[0]
+        return [(f, 0, self.source.shard_rows(f)) for f in self.shards(rank, worker)]
+
+    def tails(self, rank: int, worker: int) -> list[Tail]:
+        """Partly packed samples ``(sample id, token offset, length)`` to finish first."""
+        if self.carry is not None:
+            return self.carry.get(rank * self.workers + worker, ([], []))[1]
+        return []
 
     def positions(self, sample_ids: np.ndarray) -> np.ndarray:
         """Positions (``int64``) of sample ids in this epoch's order."""
@@ -176,6 +196,8 @@ class EpochPlan:
 
 
 Loaded = tuple[int, Any]  # (sample id, payload)
+Piece = tuple[int, int, int]  # (shard, first row, row after the last)
+Tail = tuple[int, int, int]  # (sample id, tokens already packed, length in tokens)
 
 
 class DocFeed:
@@ -183,29 +205,29 @@ class DocFeed:
 
     Args:
         source: the rows (their counts; data is read through ``read``).
-        shards: the worker's shards in reading order.
+        pieces: the worker's row ranges ``(shard, start, stop)`` in reading order.
         state: where the worker stands.
         buffer: sample ids in the buffer's slots, in slot order.
         payloads: payloads of those slots (``None``: a replica, ids only).
         size: buffer size (rows).
         key: 64-bit key of the buffer's counter-based generator.
-        read: ``(shard, row) -> iterator of payloads of that shard from that row``;
+        read: ``(shard, row, stop) -> iterator of payloads of that shard from that row``;
             ``None`` for a replica.
     """
 
     def __init__(
         self,
         source: ShardedSource,
-        shards: list[int],
+        pieces: list[Piece],
         state: WorkerState,
         buffer: list[int],
         payloads: list[Any] | None,
         size: int,
         key: int,
-        read: Callable[[int, int], Iterator[Any]] | None = None,
+        read: Callable[[int, int, int], Iterator[Any]] | None = None,
     ) -> None:
         self.source = source
-        self.shards = shards
+        self.pieces = pieces
         self.shard = state.shard
         self.row = state.row
         self.rows_read = state.rows_read
@@ -220,27 +242,30 @@ class DocFeed:
         self._skip_empty()
 
     def _skip_empty(self) -> None:
-        while self.shard < len(self.shards) and self.row >= self.source.shard_rows(
-            self.shards[self.shard]
-        ):
+        # ``shard`` indexes the pieces; ``row`` is the next row of that piece's shard.
+        while self.shard < len(self.pieces):
+            _, start, stop = self.pieces[self.shard]
+            self.row = max(self.row, start)
+            if self.row < stop:
+                return
             self.shard += 1
             self.row = 0
             self._rows = None
 
     def has_rows(self) -> bool:
-        return self.shard < len(self.shards)
+        return self.shard < len(self.pieces)
 
     def exhausted(self) -> bool:
         """No row left to read and nothing in the buffer."""
         return not self.has_rows() and not self.ids
 
     def _next_row(self) -> Loaded:
-        file = self.shards[self.shard]
+        file, _, stop = self.pieces[self.shard]
         sid = int(self.source.offsets[file]) + self.row
         payload = None
         if self._read is not None:
             if self._rows is None:
-                self._rows = self._read(file, self.row)
+                self._rows = self._read(file, self.row, stop)
             payload = next(self._rows)
         self.row += 1
         self.rows_read += 1
@@ -276,11 +301,20 @@ class DocFeed:
         self.emitted += 1
         return out
 
-    def state(self, worker: int, doc: tuple[int, int, int] | None) -> WorkerState:
+    def state(
+        self, worker: int, doc: tuple[int, int, int] | None, tails: list[Tail]
+    ) -> WorkerState:
         """The worker's state now; ``doc`` is the packer's ``(sample id, offset, length)``."""
         d = doc if doc is not None else (-1, 0, 0)
         return WorkerState(
-            worker, self.shard, self.row, self.rows_read, self.draws, self.emitted, *d
+            worker,
+            self.shard,
+            self.row,
+            self.rows_read,
+            self.draws,
+            self.emitted,
+            *d,
+            tails=tuple(tails),
         )
 
 
@@ -312,16 +346,19 @@ class BatchMeta:
 class Replica:
     """Ids-only mirror of one logical worker, folded from the batches consumed from it."""
 
-    def __init__(self, feed: DocFeed, worker: int, doc: tuple[int, int, int] | None) -> None:
+    def __init__(
+        self, feed: DocFeed, worker: int, doc: tuple[int, int, int] | None, tails: list[Tail]
+    ) -> None:
         self.feed = feed
         self.worker = worker
         self.doc = doc
+        self.tails = list(tails)
 
     def exhausted(self) -> bool:
-        return self.feed.exhausted() and self.doc is None
+        return self.feed.exhausted() and self.doc is None and not self.tails
 
     def state(self) -> WorkerState:
-        return self.feed.state(self.worker, self.doc)
+        return self.feed.state(self.worker, self.doc, self.tails)
 
     def fold(self, meta: BatchMeta) -> None:
         """Advance by one consumed batch, checking it is what the plan predicts.
@@ -336,9 +373,13 @@ class Replica:
                 self._expect(sid)
             return
         for sid, (start, end, length) in zip(ids, meta.spans.tolist(), strict=True):
-            if start == 0:
-                self._expect(sid)
-            elif self.doc is None or self.doc[:2] != (sid, start):
+            if self.doc is None:
+                if self.tails:  # samples partly packed by another shape come first
+                    self.doc = self.tails.pop(0)
+                elif start == 0:
+                    self._expect(sid)
+                    self.doc = (sid, 0, length)
+            if self.doc is None or self.doc[:2] != (sid, start):
                 raise LedgerError(
                     f"worker {self.worker} packed tokens [{start}, {end}) of sample {sid}, "
                     f"but its packer was at {self.doc}"
@@ -395,7 +436,7 @@ class WorkerRun:
         payloads = [self._load(s, r) for s, r in zip(buffer, source.read(buffer), strict=True)]
         self.feed = DocFeed(
             source,
-            plan.shards(rank, worker),
+            plan.pieces(rank, worker),
             state,
             buffer,
             payloads,
@@ -405,12 +446,27 @@ class WorkerRun:
         )
         self.doc: tuple[int, np.ndarray, int, str | None] | None = None
         if state.doc >= 0:
-            item, draws = self._load(state.doc, source.read([state.doc])[0])
-            self.doc = (state.doc, item, state.doc_offset, draws)
+            self.doc = self._tail((state.doc, state.doc_offset, state.doc_length))
+        self.tails = list(state.tails)
 
-    def _read(self, shard: int, row: int) -> Iterator[tuple[Any, str | None]]:
-        base = int(self.stream.source.offsets[shard]) + row
-        for i, record in enumerate(self.stream.source.iter_shard(shard, row)):
+    def _tail(self, tail: Tail) -> tuple[int, np.ndarray, int, str | None]:
+        """Re-read a partly packed sample, to go on from its offset."""
+        sid, offset, length = tail
+        item, _ = self._load(sid, self.stream.source.read([sid])[0])
+        if len(item) != length:
+            raise LedgerError(
+                f"sample {sid} has {len(item)} tokens now, the log says {length}: the "
+                "transform is not deterministic"
+            )
+        return sid, item, offset, None  # its draws were logged with its first span
+
+    def _read(self, shard: int, row: int, stop: int) -> Iterator[tuple[Any, str | None]]:
+        source = self.stream.source
+        base = int(source.offsets[shard]) + row
+        if stop - row == 1:  # a single row (e.g. a carried buffer slot): random access
+            yield self._load(base, source.read([base])[0])
+            return
+        for i, record in enumerate(source.iter_shard(shard, row)):
             yield self._load(base + i, record)
 
     def _load(self, sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
@@ -465,6 +521,8 @@ class WorkerRun:
             owner = np.full(length, -1, np.int64)
             n = 0
             while n < length:
+                if (self.doc is None or self.doc[2] == len(self.doc[1])) and self.tails:
+                    self.doc = self._tail(self.tails.pop(0))
                 if self.doc is None or self.doc[2] == len(self.doc[1]):
                     nxt = self.feed.next()
                     if nxt is None:
@@ -517,7 +575,7 @@ def replicas(
     for st in states:
         feed = DocFeed(
             stream.source,
-            plan.shards(rank, st.worker),
+            plan.pieces(rank, st.worker),
             st,
             buffers.get(st.worker, []),
             None,
@@ -525,7 +583,7 @@ def replicas(
             buffer_key(seed, plan.epoch, rank, st.worker),
         )
         doc = (st.doc, st.doc_offset, st.doc_length) if st.doc >= 0 else None
-        out.append(Replica(feed, st.worker, doc))
+        out.append(Replica(feed, st.worker, doc, list(st.tails)))
     return out
 
 
@@ -571,10 +629,23 @@ class StreamDataset(torch.utils.data.IterableDataset):
         self.per_sample_rng = per_sample_rng
         self.start: Any = None  # PipelineState
         self.buffers: dict[int, list[int]] = {}
+        self.epoch_plan: EpochPlan | None = None  # of start.epoch
 
-    def plan(self, epoch: int) -> EpochPlan:
+    def plan(
+        self,
+        epoch: int,
+        carry: dict[int, tuple[list[Piece], list[Tail]]] | None = None,
+        world_size: int | None = None,
+        workers: int | None = None,
+    ) -> EpochPlan:
         return EpochPlan(
-            self.stream.source, self.seed, epoch, self.shuffle, self.world_size, self.workers
+            self.stream.source,
+            self.seed,
+            epoch,
+            self.shuffle,
+            world_size or self.world_size,
+            workers or self.workers,
+            carry,
         )
 
     def __iter__(self) -> Iterator[tuple[BatchMeta, Any]]:
@@ -585,10 +656,11 @@ class StreamDataset(torch.utils.data.IterableDataset):
         # seeding (while refilling a resumed buffer, and while producing each batch)
         # must not leak into it.
         guard = info is None and self.per_sample_rng
+        assert self.epoch_plan is not None and self.epoch_plan.epoch == start.epoch
         with _rngs_preserved(guard):
             run = WorkerRun(
                 self.stream,
-                self.plan(start.epoch),
+                self.epoch_plan,
                 self.rank,
                 worker,
                 start.workers[worker],
@@ -625,3 +697,62 @@ def _rngs_preserved(active: bool) -> Iterator[None]:
 def identity(item: Any) -> Any:
     """Collate function for pre-batched items (module level: picklable for workers)."""
     return item
+
+
+def carry_over(
+    plan: EpochPlan,
+    states: list[tuple[int, Any]],
+    buffers: dict[tuple[int, int], list[int]],
+    total: int,
+) -> dict[int, tuple[list[Piece], list[Tail]]]:
+    """What an old shape left unserved of ``plan.epoch``, dealt to ``total`` new workers.
+
+    For each old logical worker, in rank and worker order: the rows in its shuffle
+    buffer (as one-row pieces), the rest of the piece it was reading, its later pieces;
+    and the samples its packer had begun (tails). A rank already past the epoch left
+    nothing; a rank not yet in it left all its pieces. Pieces, then tails, are dealt
+    round robin to the new global workers ``0..total-1``. Every sample (and every token
+    of a packed sample) of the epoch is thus served exactly once across the two shapes.
+
+    Args:
+        plan: the old shape's plan of the epoch.
+        states: ``(rank, PipelineState)`` of every old rank at the commit.
+        buffers: old buffers by ``(rank, worker)``, in slot order.
+        total: new ``world_size * workers``.
+
+    Returns:
+        By new global worker: ``(pieces, tails)``.
+    """
+    source = plan.source
+    pieces: list[Piece] = []
+    tails: list[Tail] = []
+    for rank, st in states:
+        for worker in range(plan.workers):
+            mine = plan.pieces(rank, worker)
+            if st.epoch < plan.epoch:
+                pieces += mine
+                tails += plan.tails(rank, worker)
+                continue
+            if st.epoch > plan.epoch:
+                continue
+            ws = st.workers[worker]
+            ids = buffers.get((rank, worker), [])
+            if ids:
+                files, rows = source.locate(np.array(ids, np.int64))
+                pieces += [
+                    (f, r, r + 1) for f, r in zip(files.tolist(), rows.tolist(), strict=True)
+                ]
+            if ws.shard < len(mine):
+                f, start, stop = mine[ws.shard]
+                if max(ws.row, start) < stop:
+                    pieces.append((f, max(ws.row, start), stop))
+                pieces += mine[ws.shard + 1 :]
+            if ws.doc >= 0:
+                tails.append((ws.doc, ws.doc_offset, ws.doc_length))
+            tails += list(ws.tails)
+    out: dict[int, tuple[list[Piece], list[Tail]]] = {g: ([], []) for g in range(total)}
+    for i, piece in enumerate(pieces):
+        out[i % total][0].append(piece)
+    for i, tail in enumerate(tails):
+        out[i % total][1].append(tail)
+    return out
