@@ -42,7 +42,7 @@ from ledger.stream.driver import StreamDriver
 from ledger.stream.pipeline import Stream
 
 TOKEN_VERSION = 1
-_TOKEN_KEYS = ("version", "root", "run_id", "commit", "attempt", "rank", "world_size", "step")
+_TOKEN_KEYS = ("version", "root", "run_id", "commit", "attempt", "world_size", "step")
 _CHUNK_POSITIONS = 1 << 14  # positions whose ids are computed in one vectorised call
 
 
@@ -474,8 +474,11 @@ class DataLoader:
         Returns:
             A dict of primitive types (``str``/``int``), loadable with
             ``torch.load(..., weights_only=True)``: ``version, root, run_id, commit,
-            attempt, rank, world_size, step``. ``commit`` is ``""`` before the first batch
-            of a run.
+            attempt, world_size, step``. ``commit`` is ``""`` before the first batch
+            of a run. The token is the same on every rank: it names the commit, whose
+            marker holds each rank's state. So ``torch.distributed.checkpoint``, which
+            keeps one copy of a non-tensor value that all ranks share, restores every
+            rank, and any rank's token resumes a run with another world size.
 
         Raises:
             StorageError: if writing fails; the events stay pending and the next call
@@ -494,7 +497,6 @@ class DataLoader:
             "run_id": run_id,
             "commit": head.id if head else "",
             "attempt": head.attempt if head else -1,
-            "rank": self._plan.rank,
             "world_size": self._plan.world_size,
             "step": head.step if head else 0,
         }
@@ -510,7 +512,7 @@ class DataLoader:
             state_dict: the token.
 
         Raises:
-            TokenError: if the token is malformed or of another version or rank.
+            TokenError: if the token is malformed or of another version.
             WrongRoot: if the token belongs to another log root or run.
             ConfigMismatch: if dataset length, seed, shuffle, batch size, drop_last or
                 world size differ from the run's (names both values).
@@ -534,12 +536,6 @@ class DataLoader:
             raise WrongRoot(
                 f"the token belongs to run {token['run_id']}, but {self._ledger.root} holds run "
                 f"{run_id}: the root was recreated; resume from a checkpoint of run {run_id}"
-            )
-        elastic = token["world_size"] != self._plan.world_size
-        if not elastic and token["rank"] != self._plan.rank:
-            raise TokenError(
-                f"the token is rank {token['rank']}'s, this loader is rank {self._plan.rank}: "
-                "give each rank its own token"
             )
         if token["commit"] == "":
             head = None

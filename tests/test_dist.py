@@ -213,3 +213,19 @@ def test_elastic_packed_stream_two_to_one_to_three_ranks(tmp_path):
         assert [r[1] for r in docs] == list(range(total_docs)), epoch
         for _, sid, tokens, length, lo, hi in docs:
             assert (tokens, lo, hi) == (length, 0, length), (epoch, sid)
+
+
+def test_distributed_checkpoint_restores_every_rank(tmp_path):
+    child = os.path.join(os.path.dirname(__file__), "dcp_child.py")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", "--master_port=29580", child,
+        str(tmp_path / "log"), str(tmp_path / "dcp"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank")) == [
+        "rank 0 ok",
+        "rank 1 ok",
+    ]
