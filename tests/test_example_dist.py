@@ -78,8 +78,8 @@ def test_same_shape_sigkill_and_resume_is_exact_per_rank(tmp_path: Path, referen
 
     saved = torch.load(root / "ckpt" / "step-00000018.pt", weights_only=True)
     assert saved["world_size"] == 2
-    assert [t["data"]["rank"] for t in saved["ranks"]] == [0, 1]
-    assert saved["data"] == saved["ranks"][0]["data"]
+    # The token names the commit; it is the same on every rank.
+    assert saved["data"] == saved["ranks"][0]["data"] == saved["ranks"][1]["data"]
     assert saved["data"]["commit"] == "000000000018-0001"
 
     ref = [rank_stream(reference, r) for r in (0, 1)]
