@@ -557,11 +557,6 @@ class WorkerRun:
         return meta, data
 
 
-def fresh_workers(workers: int) -> tuple[WorkerState, ...]:
-    """States of ``workers`` logical workers at the start of an epoch."""
-    return tuple(WorkerState(w) for w in range(workers))
-
-
 def replicas(
     stream: Stream,
     plan: EpochPlan,
