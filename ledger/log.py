@@ -77,11 +77,6 @@ class Ledger:
         """The normalised root URI (absolute path for local roots)."""
         return self.store.uri
 
-    @property
-    def pending_rows(self) -> int:
-        """Events appended since the last commit (rows)."""
-        return sum(c.rows for c in self._pending)
-
     def open(self, config: dict[str, Any]) -> str:
         """Create or check ``run.json``; returns the run id.
 

@@ -60,11 +60,6 @@ class Store:
         """
         return bytes(self.fs.cat_file(self.full(rel)))
 
-    def open(self, rel: str) -> IO[bytes]:
-        """A binary, seekable file object for reading ``rel``."""
-        f: IO[bytes] = self.fs.open(self.full(rel), "rb")
-        return f
-
     def ls(self, rel_dir: str) -> list[str]:
         """Names (not paths) directly under ``rel_dir``, sorted; empty if it is missing."""
         try:
@@ -135,11 +130,6 @@ class Store:
         finally:
             if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
-
-    def delete(self, rel: str) -> None:
-        """Remove ``rel`` if it exists (used only for temporary files and journals)."""
-        if self.exists(rel):
-            self.fs.rm_file(self.full(rel))
 
     @staticmethod
     def _write_tmp(final: str, data: bytes) -> str:
