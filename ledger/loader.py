@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
-import random
 import signal
 import sys
 from collections import deque
@@ -34,7 +33,7 @@ import torch.utils.data as tud
 from ledger.commits import Commit, PipelineState, read_run
 from ledger.errors import LedgerError, TokenError, WrongRoot
 from ledger.log import Ledger
-from ledger.order import BatchPlan, EpochOrder, sample_seeds
+from ledger.order import BatchPlan, EpochOrder, rngs_preserved, sample_seeds, seed_globals
 from ledger.replay import advance, replay, resume_elastic
 from ledger.schema import ORDER_ALGORITHM, SAMPLE, SKIP, EventChunk
 from ledger.store import Store
@@ -82,26 +81,11 @@ class _Fetch(tud.Dataset[Any]):
             getitems = getattr(ds, "__getitems__", None)
             samples = list(getitems(id_list)) if getitems else [ds[i] for i in id_list]
             return (epoch, epoch_batch, batch), samples
-        in_main = tud.get_worker_info() is None
-        if in_main:
-            # Seeding clobbers the process-wide RNGs; in the main process they belong to
-            # the training loop (dropout, ...), so restore them afterwards.
-            saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-        gen = torch.default_generator
-        np_seed = np.random.seed
-        py_seed = random.seed
         samples = []
-        try:
+        with rngs_preserved(tud.get_worker_info() is None):
             for sid, s in zip(id_list, sample_seeds(self.seed, epoch, ids).tolist(), strict=True):
-                gen.manual_seed(s)
-                np_seed(s & 0xFFFFFFFF)
-                py_seed(s)
+                seed_globals(s)
                 samples.append(ds[sid])
-        finally:
-            if in_main:
-                torch.set_rng_state(saved[0])
-                np.random.set_state(saved[1])
-                random.setstate(saved[2])
         return (epoch, epoch_batch, batch), samples
 
 

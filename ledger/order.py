@@ -24,9 +24,13 @@ order works for N up to 2**62 (N = 10**10 included).
 
 from __future__ import annotations
 
+import contextlib
+import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -189,6 +193,40 @@ def sample_seeds(seed: int, epoch: int, sample_ids: np.ndarray) -> np.ndarray:
     """
     key = np.uint64(derive_key(seed, epoch, 0x5EED))
     return _mix(np.asarray(sample_ids).astype(np.uint64) ^ key)
+
+
+def seed_globals(seed: int) -> None:
+    """Seed torch's default generator, numpy's global ``RandomState`` (low 32 bits) and
+    ``random`` with one per-sample seed, before a sample is loaded.
+
+    ``torch.default_generator.manual_seed`` rather than ``torch.manual_seed``: the latter
+    also visits every accelerator backend and costs ~100x more per call.
+
+    Args:
+        seed: a seed from :func:`sample_seeds` (int in ``[0, 2**64)``).
+    """
+    torch.default_generator.manual_seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    random.seed(seed)
+
+
+@contextlib.contextmanager
+def rngs_preserved(active: bool = True) -> Iterator[None]:
+    """Restore the global torch, numpy and ``random`` RNG states on exit (if ``active``).
+
+    Per-sample seeding in the main process (``num_workers=0``) would otherwise clobber
+    the training loop's RNGs (dropout, ...).
+    """
+    if not active:
+        yield
+        return
+    saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        np.random.set_state(saved[1])
+        random.setstate(saved[2])
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,9 +21,7 @@ row; at the end of the stream the remaining slots are drawn without replacement)
 
 from __future__ import annotations
 
-import contextlib
 import json
-import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +31,14 @@ import torch
 
 from ledger.commits import WorkerState
 from ledger.errors import LedgerError
-from ledger.order import EpochOrder, _mix_scalar, derive_key, sample_seeds
+from ledger.order import (
+    EpochOrder,
+    _mix_scalar,
+    derive_key,
+    rngs_preserved,
+    sample_seeds,
+    seed_globals,
+)
 from ledger.stream.source import ShardedSource
 
 _M64 = (1 << 64) - 1
@@ -472,9 +477,7 @@ class WorkerRun:
     def _load(self, sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
         seed = int(sample_seeds(self.seed, self.epoch, np.array([sid]))[0])
         if self.per_sample_rng:
-            torch.default_generator.manual_seed(seed)
-            np.random.seed(seed & 0xFFFFFFFF)
-            random.seed(seed)
+            seed_globals(seed)
         ctx = SampleContext(sid, self.epoch, seed)
         item = self.stream.transform(record, ctx) if self.stream.transform else record
         if self.stream.packer is not None:
@@ -652,7 +655,7 @@ class StreamDataset(torch.utils.data.IterableDataset):
         # must not leak into it.
         guard = info is None and self.per_sample_rng
         assert self.epoch_plan is not None and self.epoch_plan.epoch == start.epoch
-        with _rngs_preserved(guard):
+        with rngs_preserved(guard):
             run = WorkerRun(
                 self.stream,
                 self.epoch_plan,
@@ -667,26 +670,11 @@ class StreamDataset(torch.utils.data.IterableDataset):
             )
         batches = run.batches()
         while True:
-            with _rngs_preserved(guard):
+            with rngs_preserved(guard):
                 item = next(batches, None)
             if item is None:
                 return
             yield item
-
-
-@contextlib.contextmanager
-def _rngs_preserved(active: bool) -> Iterator[None]:
-    """Restore torch's, numpy's and ``random``'s global RNG states on exit (if active)."""
-    if not active:
-        yield
-        return
-    saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-    try:
-        yield
-    finally:
-        torch.set_rng_state(saved[0])
-        np.random.set_state(saved[1])
-        random.setstate(saved[2])
 
 
 def identity(item: Any) -> Any:
