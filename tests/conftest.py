@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -23,6 +24,21 @@ class Augmented:
             "np": torch.tensor(np.random.randint(0, 10**6)),
             "py": torch.tensor(random.randrange(10**6)),
         }
+
+
+def packed_stream(shards_dir: str, shuffle_buffer: int, seq_len: int = 16):
+    """A packed stream over the JSONL/Parquet files in ``shards_dir`` (byte tokens + 1)."""
+    from ledger.stream import Packer, ShardedSource, Stream
+
+    def tokens(record, ctx):
+        return np.frombuffer(record["text"].encode(), np.uint8).astype(np.int64) + 1
+
+    return Stream(
+        ShardedSource(os.path.join(shards_dir, "*")),
+        transform=tokens,
+        shuffle_buffer=shuffle_buffer,
+        packer=Packer(seq_len=seq_len),
+    )
 
 
 @pytest.fixture

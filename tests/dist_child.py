@@ -20,7 +20,7 @@ import sys
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import Augmented
+from conftest import Augmented, packed_stream
 
 import ledger
 from ledger.store import Store
@@ -42,22 +42,14 @@ def main() -> None:
         Store.write_atomic = write_then_die
     key = "x"
     if "--shards" in sys.argv:
-        import numpy as np
-
-        from ledger.stream import Packer, ShardedSource, Stream
-
-        def tokens(record, ctx):
-            return np.frombuffer(record["text"].encode(), np.uint8).astype(np.int64) + 1
-
         shards = sys.argv[sys.argv.index("--shards") + 1]
-        stream = Stream(
-            ShardedSource(os.path.join(shards, "*")),
-            transform=tokens,
-            shuffle_buffer=3,
-            packer=Packer(seq_len=16),
-        )
         loader = ledger.DataLoader(
-            stream, batch_size=2, shuffle=True, seed=5, log=root, num_workers=2
+            packed_stream(shards, shuffle_buffer=3),
+            batch_size=2,
+            shuffle=True,
+            seed=5,
+            log=root,
+            num_workers=2,
         )
         key = "tokens"
     else:

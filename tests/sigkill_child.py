@@ -14,7 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import Augmented
+from conftest import Augmented, packed_stream
 
 import ledger
 
@@ -22,23 +22,14 @@ import ledger
 def main() -> None:
     root, out, ckpt, total = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     if "--shards" in sys.argv:
-        import numpy as np
-
-        from ledger.stream import Packer, ShardedSource, Stream
-
         shards = sys.argv[sys.argv.index("--shards") + 1]
-
-        def tokens(record, ctx):
-            return np.frombuffer(record["text"].encode(), np.uint8).astype(np.int64) + 1
-
-        stream = Stream(
-            ShardedSource(os.path.join(shards, "*")),
-            transform=tokens,
-            shuffle_buffer=5,
-            packer=Packer(seq_len=16),
-        )
         loader = ledger.DataLoader(
-            stream, batch_size=2, shuffle=True, seed=11, log=root, num_workers=2
+            packed_stream(shards, shuffle_buffer=5),
+            batch_size=2,
+            shuffle=True,
+            seed=11,
+            log=root,
+            num_workers=2,
         )
         key = "tokens"
     else:
