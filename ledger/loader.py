@@ -195,7 +195,9 @@ class DataLoader:
         batch_size: samples per batch on this rank (>= 1).
         shuffle: shuffle each epoch with the seeded order; ``False``: identity order.
         seed: seed of the orders and of the per-sample RNG seeds (int).
-        log: log root (local path or ``s3://`` URI) or a :class:`ledger.Ledger`.
+        log: log root (a local path; object-store roots such as ``s3://`` are not
+            supported yet: committing to them raises ``StorageError``) or a
+            :class:`ledger.Ledger`.
         num_workers, collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
         multiprocessing_context, prefetch_factor, persistent_workers: as for
             ``torch.utils.data.DataLoader``. ``drop_last=False`` serves a short final

@@ -35,7 +35,9 @@ class Ledger:
     immutable Parquet segment plus a commit marker at :meth:`commit`.
 
     Args:
-        root: log root: a local path or an fsspec URI (``s3://bucket/prefix``).
+        root: log root: a local path. An fsspec URI (``s3://bucket/prefix``) is parsed,
+            but commits to object stores raise ``StorageError`` until exclusive creates
+            are built there.
         rank: this process's rank (0 without distributed).
         world_size: number of ranks.
         storage_options: fsspec options (credentials, endpoint) for a remote root.
