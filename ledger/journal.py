@@ -54,8 +54,11 @@ class Journal:
         self._pack = msgpack.Packer(use_bin_type=True).pack
         self.reset(None)
 
-    def append(self, chunk: EventChunk) -> None:
-        """Append one batch's events (one ``write(2)``)."""
+    def append(self, *chunks: EventChunk) -> None:
+        """Append one batch's events, one record per chunk, in one ``write(2)``."""
+        os.write(self._fd, b"".join(self._record(chunk) for chunk in chunks))
+
+    def _record(self, chunk: EventChunk) -> bytes:
         ids = np.ascontiguousarray(chunk.sample_ids, dtype="<i8")
         extras: dict[str, Any] | None = None
         if chunk.positions is not None or chunk.token_start is not None or chunk.values:
@@ -66,7 +69,7 @@ class Journal:
             }
             extras["values"] = chunk.values
         record = [chunk.kind, chunk.epoch, chunk.batch, chunk.worker, chunk.position, ids.data]
-        os.write(self._fd, self._pack([*record, extras]))
+        return cast(bytes, self._pack([*record, extras]))
 
     def reset(self, after_commit: str | None) -> None:
         """Empty the journal after a commit; the header names that commit."""

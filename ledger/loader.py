@@ -31,11 +31,12 @@ import torch
 import torch.utils.data as tud
 
 from ledger.commits import Commit, PipelineState, read_run
+from ledger.digest import batch_digest
 from ledger.errors import LedgerError, TokenError, WrongRoot
 from ledger.log import Ledger
 from ledger.order import BatchPlan, EpochOrder, rngs_preserved, sample_seeds, seed_globals
 from ledger.replay import advance, replay, resume_elastic
-from ledger.schema import ORDER_ALGORITHM, SAMPLE, SKIP, EventChunk
+from ledger.schema import ORDER_ALGORITHM, SAMPLE, SKIP, EventChunk, batch_event
 from ledger.store import Store
 from ledger.stream.driver import StreamDriver
 from ledger.stream.pipeline import Stream
@@ -90,15 +91,19 @@ class _Fetch(tud.Dataset[Any]):
 
 
 class _TagCollate:
-    """Collates with the user's function and tags the batch with its request and worker."""
+    """Collates with the user's function and tags the batch with its request, the worker
+    and the batch's content digest (computed in the worker, off the training loop)."""
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], digest: bool) -> None:
         self.collate_fn = collate_fn
+        self.digest = digest
 
     def __call__(self, fetched: tuple[tuple[int, int, int], list[Any]]) -> tuple[tuple, Any]:
         meta, samples = fetched
         info = tud.get_worker_info()
-        return (*meta, info.id if info is not None else -1), self.collate_fn(samples)
+        batch = self.collate_fn(samples)
+        digest = batch_digest(batch) if self.digest else None
+        return (*meta, info.id if info is not None else -1, digest), batch
 
 
 class _Requests:
@@ -207,6 +212,10 @@ class DataLoader:
             before each ``dataset[i]``, so random augmentation does not depend on the
             worker. Costs about 9 µs per sample (tools/bench.py); turn off for datasets that draw no
             random numbers.
+        digest: record each batch's content digest (SHA-256 of the collated batch,
+            :func:`ledger.digest.batch_digest`, computed in the worker) as a ``batch``
+            event, so ``ledger show --materialize`` can prove a re-created batch is the one
+            the model saw. Turn off for batches holding types it cannot hash.
         rank, world_size: this rank and the number of ranks (default: from
             ``torch.distributed`` if initialised, else 0 and 1).
         storage_options: fsspec options when ``log`` is a URI.
@@ -233,6 +242,7 @@ class DataLoader:
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
         per_sample_rng: bool = True,
+        digest: bool = True,
         rank: int | None = None,
         world_size: int | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -251,6 +261,7 @@ class DataLoader:
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
+        self.per_sample_rng = bool(per_sample_rng)
         self._stream: StreamDriver | None = None
         if isinstance(dataset, Stream):
             if drop_last or persistent_workers:
@@ -305,6 +316,7 @@ class DataLoader:
                 per_sample_rng=per_sample_rng,
                 torch_kwargs=torch_kwargs,
                 store=self._ledger.store,
+                digest=digest,
             )
             self._torch_loader = self._stream.torch_loader
             self._state = self._stream.initial_state()
@@ -313,7 +325,7 @@ class DataLoader:
             _Fetch(dataset, self.seed, per_sample_rng),
             batch_sampler=_Requests(self),  # type: ignore[arg-type]  # yields requests
             num_workers=num_workers,
-            collate_fn=_TagCollate(collate_fn or _default_collate),  # type: ignore[arg-type]
+            collate_fn=_TagCollate(collate_fn or _default_collate, digest),  # type: ignore[arg-type]
             persistent_workers=persistent_workers,
             **torch_kwargs,
         )
@@ -346,6 +358,7 @@ class DataLoader:
             "drop_last": self.drop_last,
             "world_size": self._plan.world_size,
             "order": ORDER_ALGORITHM,
+            "per_sample_rng": self.per_sample_rng,
         }
         if self._stream is not None:
             config.update(self._stream.config())
@@ -405,7 +418,11 @@ class DataLoader:
             for meta, data in self._torch_loader:
                 self._check_generation(generation)
                 chunk, state = driver.record(self._state, meta)
-                self._ledger.append(chunk)
+                if meta.digest is None:
+                    self._ledger.append(chunk)
+                else:
+                    digest = batch_event(chunk.epoch, chunk.batch, chunk.worker, meta.digest)
+                    self._ledger.append(chunk, digest)
                 self._state = state
                 yield data
             if generation == self._generation:
@@ -425,22 +442,26 @@ class DataLoader:
         try:
             for tagged in self._torch_loader:
                 self._check_generation(generation)
-                epoch, epoch_batch, batch, worker = tagged[0]
+                epoch, epoch_batch, batch, worker, digest = tagged[0]
                 req = self._inflight.popleft()
                 if (req.epoch, req.epoch_batch, req.batch) != (epoch, epoch_batch, batch):
                     raise LedgerError(
                         f"batch {batch} arrived where batch {req.batch} was expected: "
                         "batches must be delivered in order"
                     )
-                self._record(req, worker)
+                self._record(req, worker, digest)
                 yield tagged[1]
         finally:
             if generation == self._generation:
                 self._iter_epoch = None
 
-    def _record(self, req: _Request, worker: int) -> None:
+    def _record(self, req: _Request, worker: int, digest: str | None) -> None:
         log = self._ledger
-        log.append(EventChunk(SAMPLE, req.epoch, req.batch, worker, req.position, req.sample_ids))
+        chunk = EventChunk(SAMPLE, req.epoch, req.batch, worker, req.position, req.sample_ids)
+        if digest is None:
+            log.append(chunk)
+        else:
+            log.append(chunk, batch_event(req.epoch, req.batch, worker, digest))
         plan = self._plan_at(self._state)
         state = advance(self._state, plan)
         if state.epoch != req.epoch and plan.rank == 0 and plan.consumed_per_epoch < plan.n:

@@ -121,13 +121,15 @@ class Ledger:
             return local
         return os.path.join(tempfile.gettempdir(), "ledger-journal", self.store.path, rel)
 
-    def append(self, chunk: EventChunk) -> None:
-        """Record one batch's events: in memory until commit, and in the journal."""
+    def append(self, *chunks: EventChunk) -> None:
+        """Record one batch's events: in memory until commit, and in the journal (one
+        ``write(2)`` for all of ``chunks``)."""
         assert self._journal is not None, "Ledger.start() was not called"
-        self._pending.append(chunk)
+        self._pending.extend(chunks)
         if self._builder is not None:
-            self._builder.add(chunk)
-        self._journal.append(chunk)
+            for chunk in chunks:
+                self._builder.add(chunk)
+        self._journal.append(*chunks)
 
     def commit(self, state: PipelineState, snapshot: Sequence[EventChunk] = ()) -> Commit:
         """Write the pending events as a segment and create the commit marker.

@@ -27,7 +27,9 @@ SPAN = "span"
 """Tokens ``[token_start, token_end)`` of a sample, packed into a sequence of a batch."""
 BUFFER = "buffer"
 """A sample held in a shuffle buffer at a commit (``position`` is its slot)."""
-KINDS = [SAMPLE, SKIP, SPAN, BUFFER]
+BATCH = "batch"
+"""A batch handed to the training loop: ``value`` is its content digest, no sample."""
+KINDS = [SAMPLE, SKIP, SPAN, BUFFER, BATCH]
 
 EVENT_SCHEMA = pa.schema(
     [
@@ -58,14 +60,16 @@ EVENT_SCHEMA = pa.schema(
   the epoch; for ``buffer`` events: the next batch at the commit.
 - ``position`` int64: index in the epoch's global order (``buffer`` events: the slot).
 - ``sample_id`` int64: stable id of the sample (map-style: the dataset index; streams:
-  the global row number over the sorted file list).
+  the global row number over the sorted file list); ``-1`` for ``batch`` events.
 - ``kind`` string (dictionary-encoded): ``'sample'``, ``'skip'``, ``'span'`` (tokens
-  ``[token_start, token_end)`` of a sample packed into a sequence of the batch) or
-  ``'buffer'`` (a sample in a shuffle buffer at the commit).
+  ``[token_start, token_end)`` of a sample packed into a sequence of the batch),
+  ``'buffer'`` (a sample in a shuffle buffer at the commit) or ``'batch'`` (one per
+  batch, after its samples: ``value`` is the batch's content digest,
+  :func:`ledger.digest.batch_digest`; ``position`` is ``-1``).
 - ``token_start``, ``token_end`` int64: the span's tokens (``span`` only, else null).
 - ``length`` int64: the sample's length in tokens, EOS included (``span`` only).
 - ``value`` string: JSON of the draws the transform recorded with ``ctx.record``, on the
-  event that first consumed the sample (else null).
+  event that first consumed the sample (else null); for ``batch`` events, the digest.
 """
 
 
@@ -74,7 +78,7 @@ class EventChunk:
     """Events of one batch (or one skipped tail, or one buffer snapshot), one kind.
 
     Attributes:
-        kind: ``SAMPLE``, ``SKIP``, ``SPAN`` or ``BUFFER``.
+        kind: ``SAMPLE``, ``SKIP``, ``SPAN``, ``BUFFER`` or ``BATCH``.
         epoch: epoch of every event.
         batch: per-rank batch index of every event.
         worker: worker id (``-1``: main process).
@@ -101,6 +105,11 @@ class EventChunk:
     @property
     def rows(self) -> int:
         return int(self.sample_ids.shape[0])
+
+
+def batch_event(epoch: int, batch: int, worker: int, digest: str) -> EventChunk:
+    """The ``batch`` event recording the content digest of one batch."""
+    return EventChunk(BATCH, epoch, batch, worker, -1, np.array([-1], np.int64), values=[digest])
 
 
 def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Table:

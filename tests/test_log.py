@@ -14,6 +14,7 @@ from conftest import Augmented
 
 import ledger
 from ledger.commits import default_head, lineage, list_commits
+from ledger.digest import batch_digest
 from ledger.journal import read_journal
 from ledger.order import EpochOrder
 from ledger.store import Store
@@ -63,11 +64,22 @@ def test_prefetched_batches_are_not_consumed(root):
         Augmented(40), batch_size=2, log=root, num_workers=2, prefetch_factor=4
     )
     it = iter(loader)
-    for _ in range(3):
-        next(it)
+    received = [next(it) for _ in range(3)]
     token = loader.state_dict()
     assert token["step"] == 3
-    assert len(_events(root)) == 6
+    events = _events(root)
+    assert [e["batch"] for e in events if e["kind"] == "sample"] == [0, 0, 1, 1, 2, 2]
+    # One 'batch' event per consumed batch, holding the digest of what the loop received.
+    digests = [(e["batch"], e["value"]) for e in events if e["kind"] == "batch"]
+    assert digests == [(b, batch_digest(x)) for b, x in enumerate(received)]
+    assert len(events) == 9
+
+
+def test_digest_can_be_turned_off(root):
+    loader = ledger.DataLoader(Augmented(8), batch_size=2, log=root, digest=False)
+    list(loader)
+    loader.state_dict()
+    assert {e["kind"] for e in _events(root)} == {"sample"}
 
 
 def test_resume_forms_an_abandoned_branch(root):
@@ -125,10 +137,12 @@ def test_journal_holds_uncommitted_batches_and_tolerates_a_torn_tail(root):
         data = f.read()
     header, chunks = read_journal(data)
     assert header["after_commit"] == token["commit"]
-    assert [c.sample_ids.tolist() for c in chunks] == consumed
-    assert [c.batch for c in chunks] == [1, 2]
-    _, torn = read_journal(data[:-5])  # a crash mid-write
-    assert [c.sample_ids.tolist() for c in torn] == consumed[:1]
+    assert [c.kind for c in chunks] == ["sample", "batch"] * 2
+    assert [c.sample_ids.tolist() for c in chunks[::2]] == consumed
+    assert [c.batch for c in chunks] == [1, 1, 2, 2]
+    _, torn = read_journal(data[:-5])  # a crash mid-write: batch 2's digest record is torn
+    assert [(c.kind, c.batch) for c in torn] == [("sample", 1), ("batch", 1), ("sample", 2)]
+    assert [c.sample_ids.tolist() for c in torn[::2]] == consumed
 
 
 def test_stateful_with_distributed_checkpoint(root, tmp_path):
@@ -191,8 +205,9 @@ def test_bytes_per_event_near_information_content(root):
         for d, _, fs in os.walk(os.path.join(root, "events"))
         for f in fs
     )
-    # 16 bits of information per shuffled id; the other columns are near-free.
-    assert size / n < 1.15 * np.log2(n) / 8
+    # 16 bits of information per shuffled id, plus each batch's digest (64 random hex
+    # characters per 256 events); the other columns are near-free.
+    assert size / n < 1.15 * np.log2(n) / 8 + 64 / 256
 
 
 def test_failed_commit_keeps_its_events_and_the_retry_loses_nothing(root, monkeypatch):

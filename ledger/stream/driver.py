@@ -40,7 +40,7 @@ class StreamDriver:
 
     Args:
         stream: the pipeline.
-        seed, shuffle, rank, world_size, batch_size, per_sample_rng: the loader's.
+        seed, shuffle, rank, world_size, batch_size, per_sample_rng, digest: the loader's.
         num_workers: DataLoader workers; ``max(num_workers, 1)`` logical workers.
         collate_fn: collates items (no packing).
         torch_kwargs: the other ``torch.utils.data.DataLoader`` arguments.
@@ -60,6 +60,7 @@ class StreamDriver:
         per_sample_rng: bool,
         torch_kwargs: dict[str, Any],
         store: Store,
+        digest: bool = True,
     ) -> None:
         self.stream = stream
         self.seed = seed
@@ -77,6 +78,7 @@ class StreamDriver:
             batch_size,
             collate_fn,
             per_sample_rng,
+            digest,
         )
         self.torch_loader = tud.DataLoader(
             self.dataset,

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ledger.commits import WorkerState
+from ledger.digest import batch_digest
 from ledger.errors import LedgerError
 from ledger.order import (
     EpochOrder,
@@ -339,6 +340,8 @@ class BatchMeta:
         spans: ``int64 (rows, 3)``: ``token_start, token_end, length`` per span, or
             ``None`` without packing.
         draws: per row, the JSON of the draws recorded for the sample, or ``None``.
+        digest: content digest of the batch (:func:`ledger.digest.batch_digest`), or
+            ``None`` when the loader does not record digests.
     """
 
     worker: int
@@ -346,6 +349,7 @@ class BatchMeta:
     sample_ids: np.ndarray
     spans: np.ndarray | None
     draws: list[str | None]
+    digest: str | None = None
 
 
 class Replica:
@@ -615,9 +619,11 @@ class StreamDataset(torch.utils.data.IterableDataset):
         batch_size: int,
         collate_fn: Callable[[list[Any]], Any],
         per_sample_rng: bool,
+        digest: bool = True,
     ) -> None:
         self.stream = stream
         self.seed = seed
+        self.digest = digest
         self.shuffle = shuffle
         self.rank = rank
         self.world_size = world_size
@@ -674,6 +680,8 @@ class StreamDataset(torch.utils.data.IterableDataset):
                 item = next(batches, None)
             if item is None:
                 return
+            if self.digest:
+                item[0].digest = batch_digest(item[1])
             yield item
 
 

@@ -1,0 +1,89 @@
+"""Content digest of a batch: one SHA-256 over what the training loop received.
+
+The loader records the digest of every batch it hands out (a ``'batch'`` event), and
+``ledger show --materialize`` recomputes it from the dataset and the recorded seeds, so
+anyone can check that a batch re-created from the log is the batch the model saw.
+
+The digest hashes a canonical encoding of the (nested) batch, not its pickle, so it does
+not depend on the Python version, the process or the memory layout of a tensor:
+
+- tensors and numpy arrays: a type tag, the dtype, the shape, then the elements as
+  C-contiguous bytes in native (little-endian on every platform torch supports) order;
+- ``Mapping``: its items ordered by ``str(key)``; ``list``/``tuple``: length then items;
+- ``str``/``bytes``: length then the UTF-8/raw bytes; ``int``, ``float`` (``float.hex``),
+  ``bool``, ``None`` and numpy scalars by value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+DIGEST_ALGORITHM = "sha256-canonical-v1"
+"""Name of the encoding and hash below; recorded in ``run.json``."""
+
+
+def batch_digest(batch: Any) -> str:
+    """SHA-256 hex digest (64 characters) of a batch's content.
+
+    Args:
+        batch: a collated batch: tensors (any dtype and shape, on any device), numpy
+            arrays (not of ``object`` dtype), and mappings, lists and tuples of them, of
+            ``str``, ``bytes``, ``int``, ``float``, ``bool`` and ``None``.
+
+    Returns:
+        The digest, lower-case hex.
+
+    Raises:
+        TypeError: if the batch holds another type (a custom class); pass
+            ``digest=False`` to the loader for such batches.
+    """
+    h = hashlib.sha256()
+    _update(h, batch)
+    return h.hexdigest()
+
+
+def _update(h: Any, x: Any) -> None:
+    if isinstance(x, torch.Tensor):
+        t = x.detach().to("cpu").contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    elif isinstance(x, (np.ndarray, np.generic)):
+        a = np.ascontiguousarray(x)
+        if a.dtype.hasobject:
+            raise TypeError("cannot digest a numpy array of dtype object")
+        h.update(f"A{a.dtype.str}{a.shape}".encode())
+        h.update(a.reshape(-1).view(np.uint8).data)
+    elif isinstance(x, Mapping):
+        items = sorted(x.items(), key=lambda kv: str(kv[0]))
+        h.update(f"M{len(items)}".encode())
+        for key, value in items:
+            _update(h, key)
+            _update(h, value)
+    elif isinstance(x, (list, tuple)):
+        h.update(f"{'L' if isinstance(x, list) else 'U'}{len(x)}".encode())
+        for item in x:
+            _update(h, item)
+    elif isinstance(x, str):
+        raw = x.encode()
+        h.update(f"S{len(raw)}:".encode())
+        h.update(raw)
+    elif isinstance(x, (bytes, bytearray)):
+        h.update(f"B{len(x)}:".encode())
+        h.update(x)
+    elif x is None or isinstance(x, bool):  # before int: bool is an int
+        h.update(f"N{x}".encode())
+    elif isinstance(x, int):
+        h.update(f"I{x};".encode())
+    elif isinstance(x, float):
+        h.update(f"F{x.hex()};".encode())
+    else:
+        raise TypeError(
+            f"cannot digest a batch holding {type(x).__module__}.{type(x).__qualname__}: "
+            "batches of tensors, arrays, numbers, strings, lists and dicts can be digested; "
+            "pass digest=False to the DataLoader for other batches"
+        )
