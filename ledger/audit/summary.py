@@ -1,27 +1,26 @@
 """The audit summary of a log: attempts, per-epoch coverage and duplicates, abandoned work.
 
-Everything is computed with SQL over the views of :mod:`ledger.audit.views`, in two
-scans: one over ``events`` (counts and id bounds per commit) and one over ``lineage``
-(per epoch).
+One pass over the segments (:mod:`ledger.audit.scan`) counts distinct ids per epoch and
+consumed samples per segment; the rest is SQL over those counts and the small views of
+:mod:`ledger.audit.views` (markers, attempts, journals).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import duckdb
+import pyarrow as pa
 
+from ledger.audit.scan import Progress, ScanResult, scan
 from ledger.audit.views import connect
+from ledger.commits import list_commits, read_run
+from ledger.store import Store
 
 # An event that hands a sample to the training loop: a 'sample', or the first span of a
 # packed sample (its later spans are the rest of the same sample).
 CONSUMED = "(kind = 'sample' OR (kind = 'span' AND token_start = 0))"
-
-# Distinct sample ids per epoch are counted with one bitmap per epoch
-# (``bitstring_agg``, one bit per id between the smallest and the largest id) instead
-# of COUNT(DISTINCT), which hashes every row: exact, and about 10x faster on 3 x 10**7
-# rows. Above this many bits (512 MiB per epoch) the hash is the cheaper of the two.
-_MAX_BITMAP_BITS = 1 << 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,42 +149,84 @@ class Summary:
     skew: Skew | None = None
 
 
-def summarize(root: str, head: str | None = None) -> Summary:
+def summarize(root: str, head: str | None = None, progress: Progress | None = None) -> Summary:
     """Summarise the log under ``root`` as of ``head``.
+
+    One pass over the segments (:func:`ledger.audit.scan.scan`) counts every epoch of
+    the lineage and every segment; the rest comes from the commit markers.
 
     Args:
         root: the log root.
         head: head commit id; ``None`` for the default head (see
             :func:`ledger.audit.views.connect`).
+        progress: called with ``(segments done, segments in all)`` during the scan.
 
     Returns:
         The summary.
 
     Raises:
         CommitNotFound: if ``root`` holds no run, or ``head`` names no commit.
-        LogCorrupted: if the commit chain is broken or a committed segment is missing.
+        LogCorrupted: if the commit chain is broken, a committed segment is missing or
+            differs from its marker, or holds an id outside the dataset.
     """
     con = connect(root, head)
     try:
-        return _summarize(con)
+        return _summarize(con, Store(root), progress)
     finally:
         con.close()
 
 
-def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
+def counts(
+    con: duckdb.DuckDBPyConnection, store: Store, progress: Progress | None = None
+) -> ScanResult:
+    """Scan the segments of the log behind ``con`` (from :func:`connect`): per-epoch
+    counts of its lineage, per-segment counts of every commit; the latter are registered
+    on ``con`` as the table ``segment_counts`` (commit_id, step, attempt, rank, events,
+    samples)."""
+    run = read_run(store)
+    config = run.get("config", {})
+    commits = list_commits(store)
+    chain = {r[0] for r in con.execute("SELECT commit_id FROM commits WHERE in_lineage").fetchall()}
+    by_step = sorted(commits, key=lambda c: (c.step, c.attempt))
+    result = scan(
+        store,
+        [c for c in by_step if c.id in chain],
+        [c for c in by_step if c.id not in chain],
+        dataset_len=int(config.get("dataset_len", 0)),
+        packed=bool(config.get("packer")),
+        progress=progress,
+    )
+    table = pa.Table.from_pylist(
+        [dataclasses.asdict(s) for s in result.segments], schema=_SEGMENT_COUNTS
+    )
+    con.register("segment_counts", table)
+    return result
+
+
+_SEGMENT_COUNTS = pa.schema(
+    [
+        ("commit_id", pa.string()),
+        ("step", pa.int64()),
+        ("attempt", pa.int32()),
+        ("rank", pa.int32()),
+        ("events", pa.int64()),
+        ("samples", pa.int64()),
+    ]
+)
+
+
+def _summarize(con: duckdb.DuckDBPyConnection, store: Store, progress: Progress | None) -> Summary:
     run_id, dataset_len = _one(con, "SELECT run_id, dataset_len FROM run")
+    scanned = counts(con, store, progress)
     con.execute(
-        f"""
+        """
         CREATE TEMP TABLE per_commit AS
         SELECT c.commit_id, c.attempt, c.in_lineage, c.world_size,
-               coalesce(e.events, 0) AS events, coalesce(e.samples, 0) AS samples, e.lo, e.hi
+               coalesce(e.events, 0) AS events, coalesce(e.samples, 0) AS samples
         FROM commits AS c
         LEFT JOIN (
-            SELECT commit_id, count(*) AS events,
-                   count(*) FILTER (WHERE {CONSUMED}) AS samples,
-                   min(sample_id) FILTER (WHERE {CONSUMED}) AS lo,
-                   max(sample_id) FILTER (WHERE {CONSUMED}) AS hi
-            FROM events GROUP BY commit_id
+            SELECT commit_id, sum(events) AS events, sum(samples) AS samples
+            FROM segment_counts GROUP BY commit_id
         ) AS e USING (commit_id)
         """
     )
@@ -213,15 +254,15 @@ def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
         """,
     )
     head = con.execute("SELECT commit_id FROM commits WHERE is_head").fetchone()
-    epochs = con.execute(
-        f"""
-        SELECT epoch, count(*) FILTER (WHERE {CONSUMED}), {_distinct_ids(con)},
-               count(*) FILTER (WHERE kind = 'skip'),
-               max(position) FILTER (WHERE {CONSUMED})
-        FROM lineage GROUP BY epoch ORDER BY epoch
-        """
-    ).fetchall()
-    last = next(((e, p) for e, *_, p in reversed(epochs) if p is not None), None)
+    epochs = list(scanned.epochs.values())
+    last = None
+    if epochs:
+        # Only the last epoch's row groups are read (Parquet statistics on `epoch`).
+        e = epochs[-1].epoch
+        position = _one(
+            con, f"SELECT max(position) FROM lineage WHERE epoch = {int(e)} AND {CONSUMED}"
+        )[0]
+        last = Position(e, position) if position is not None else None
     return Summary(
         run_id=run_id,
         dataset_len=dataset_len,
@@ -230,18 +271,18 @@ def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
         head=head[0] if head else None,
         epochs=tuple(
             EpochSummary(
-                epoch=e,
-                samples=n,
-                distinct=d,
-                coverage=d / dataset_len if dataset_len else 0.0,
-                duplicates=n - d,
-                skipped=s,
+                epoch=c.epoch,
+                samples=c.samples,
+                distinct=c.distinct,
+                coverage=c.distinct / dataset_len if dataset_len else 0.0,
+                duplicates=c.duplicates,
+                skipped=c.skipped,
             )
-            for e, n, d, s, _ in epochs
+            for c in epochs
         ),
         abandoned_commits=abandoned_commits,
         abandoned_samples=int(abandoned_samples),
-        last_position=Position(*last) if last else None,
+        last_position=last,
         ranks=_ranks(con, head[0]) if head else (),
         skew=_skew(con),
     )
@@ -249,11 +290,11 @@ def _summarize(con: duckdb.DuckDBPyConnection) -> Summary:
 
 def _ranks(con: duckdb.DuckDBPyConnection, head: str) -> tuple[RankSummary, ...]:
     rows = con.execute(
-        f"""
+        """
         SELECT s.rank, s.epoch, s.epoch_batch, s.batch, coalesce(l.samples, 0)
         FROM states AS s LEFT JOIN (
-            SELECT rank, count(*) FILTER (WHERE {CONSUMED}) AS samples FROM lineage
-            WHERE step > (
+            SELECT rank, sum(samples) AS samples FROM segment_counts
+            WHERE commit_id IN (SELECT commit_id FROM commits WHERE in_lineage) AND step > (
                 SELECT coalesce(max(step), -1) FROM commits WHERE in_lineage AND world_size
                     <> (SELECT world_size FROM commits WHERE commit_id = ?)
             )
@@ -275,14 +316,13 @@ def _ranks(con: duckdb.DuckDBPyConnection, head: str) -> tuple[RankSummary, ...]
 def _skew(con: duckdb.DuckDBPyConnection) -> Skew | None:
     """Spread between ranks at each lineage commit, counted from their attempt's start."""
     row = con.execute(
-        f"""
+        """
         WITH per AS (
             SELECT c.commit_id, c.step, c.attempt, c.world_size, s.rank, s.epoch,
                    coalesce(e.n, 0) AS n
             FROM commits AS c JOIN states AS s USING (commit_id)
             LEFT JOIN (
-                SELECT commit_id, rank, count(*) FILTER (WHERE {CONSUMED}) AS n
-                FROM lineage GROUP BY ALL
+                SELECT commit_id, rank, sum(samples) AS n FROM segment_counts GROUP BY ALL
             ) AS e USING (commit_id, rank)
             WHERE c.in_lineage
         ), cumulative AS (
@@ -295,18 +335,6 @@ def _skew(con: duckdb.DuckDBPyConnection) -> Skew | None:
         """
     ).fetchone()
     return Skew(row[0], int(row[1]), int(row[2]), int(row[3])) if row else None
-
-
-def _distinct_ids(con: duckdb.DuckDBPyConnection) -> str:
-    """SQL aggregate counting the distinct sample ids of ``'sample'`` events per group."""
-    lo, hi = _one(con, "SELECT min(lo), max(hi) FROM per_commit WHERE in_lineage")
-    if lo is None or hi - lo + 1 > _MAX_BITMAP_BITS:
-        return f"count(DISTINCT sample_id) FILTER (WHERE {CONSUMED})"
-    # lo and hi are ints read back from DuckDB, so formatting them into SQL is safe.
-    return (
-        f"coalesce(bit_count(bitstring_agg(sample_id, {int(lo)}, {int(hi)})"
-        f" FILTER (WHERE {CONSUMED})), 0)"
-    )
 
 
 def _one(con: duckdb.DuckDBPyConnection, sql: str) -> tuple:

@@ -230,7 +230,7 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def _arrow_filesystem(store: Store) -> pafs.FileSystem:
+def arrow_filesystem(store: Store) -> pafs.FileSystem:
     """The Arrow filesystem that reads ``store``'s paths (fsspec-backed for a remote root)."""
     if store.is_local:
         return pafs.LocalFileSystem()
@@ -255,7 +255,7 @@ def _events_dataset(store: Store, commits: list[Commit]) -> ds.Dataset:
         format=ds.ParquetFileFormat(
             read_options=ds.ParquetReadOptions(dictionary_columns=["kind"])
         ),
-        filesystem=_arrow_filesystem(store),
+        filesystem=arrow_filesystem(store),
         partitions=partitions,
     )
 
