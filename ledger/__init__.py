@@ -1,13 +1,39 @@
 """ledger: exactly resumable, auditable PyTorch data pipelines.
 
-Public API: :class:`DataLoader`, :class:`Ledger`, :mod:`ledger.errors`,
-:mod:`ledger.testing`, :mod:`ledger.audit`.
+Public API: :class:`DataLoader`, :class:`Ledger`, :class:`EpochOrder`,
+:func:`sample_seeds`, :mod:`ledger.errors`, :mod:`ledger.testing`, :mod:`ledger.audit`.
+
+The names are imported on first use (PEP 562), so ``ledger.audit`` and the ``ledger``
+command do not import torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ledger import errors
-from ledger.loader import DataLoader
-from ledger.log import Ledger
-from ledger.order import EpochOrder, sample_seeds
+
+if TYPE_CHECKING:
+    from ledger.loader import DataLoader
+    from ledger.log import Ledger
+    from ledger.order import EpochOrder, sample_seeds
+
+_LAZY = {
+    "DataLoader": "ledger.loader",
+    "Ledger": "ledger.log",
+    "EpochOrder": "ledger.order",
+    "sample_seeds": "ledger.order",
+}
 
 __all__ = ["DataLoader", "EpochOrder", "Ledger", "errors", "sample_seeds"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ledger' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

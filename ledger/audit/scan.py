@@ -25,7 +25,7 @@ from ledger.errors import LogCorrupted
 from ledger.schema import EVENT_SCHEMA, SAMPLE, SKIP, SPAN
 from ledger.store import Store
 
-_COLUMNS = ["epoch", "kind", "sample_id", "token_start"]
+_COLUMNS = ["epoch", "kind", "sample_id", "token_start", "position"]
 _MAX_BITMAP = 1 << 33
 """Largest id range (bytes) counted with a bitmap; beyond it, ids are sorted instead."""
 
@@ -68,6 +68,8 @@ class SegmentCounts:
         rank: the rank that wrote the segment.
         events: rows (all kinds).
         samples: consumed events.
+        path: the segment's path relative to the root.
+        last_epoch: largest epoch of its consumed events (-1: none, or not counted).
     """
 
     commit_id: str
@@ -76,6 +78,8 @@ class SegmentCounts:
     rank: int
     events: int
     samples: int
+    path: str = ""
+    last_epoch: int = -1
 
 
 @dataclass(slots=True)
@@ -84,6 +88,7 @@ class ScanResult:
 
     epochs: dict[int, EpochCounts] = field(default_factory=dict)
     segments: list[SegmentCounts] = field(default_factory=list)
+    packed: bool = False
 
 
 class _Ids:
@@ -185,12 +190,13 @@ def scan(
     ]
     events = np.zeros(len(jobs), np.int64)
     samples = np.zeros(len(jobs), np.int64)
-    result = ScanResult()
+    last_epoch = np.full(len(jobs), -1, np.int64)
+    result = ScanResult(packed=packed)
     ids: dict[int, tuple[_Ids, _Ids]] = {}
     done = 0
     # Arrow decodes several files at once on its own threads while this loop counts.
     for batch in _dataset(store, [s.path for _, _, s in jobs]).to_batches(
-        columns=_SCHEMA.names if packed else [c for c in _SCHEMA.names if c != "token_start"],
+        columns=["epoch", "kind", "sample_id", _SEGMENT] + (["token_start"] if packed else []),
         batch_readahead=16,
         fragment_readahead=threads or 4,
     ):
@@ -222,6 +228,8 @@ def scan(
             seen, skips = ids[e]
             counts.samples += used.size
             samples[i] += used.size
+            if used.size:
+                last_epoch[i] = max(last_epoch[i], e)
             seen.add(used, where)
             if any_skip:
                 dropped = sample_ids[skipped if mine is None else skipped & mine]
@@ -234,7 +242,14 @@ def scan(
             )
         result.segments.append(
             SegmentCounts(
-                commit.id, commit.step, commit.attempt, ref.rank, int(events[i]), int(samples[i])
+                commit.id,
+                commit.step,
+                commit.attempt,
+                ref.rank,
+                int(events[i]),
+                int(samples[i]),
+                ref.path,
+                int(last_epoch[i]),
             )
         )
     for e, (seen, skips) in ids.items():
@@ -255,3 +270,17 @@ def _dataset(store: Store, paths: list[str]) -> ds.Dataset:
         filesystem=arrow_filesystem(store),
         partitions=[ds.field(_SEGMENT) == i for i in range(len(paths))],
     )
+
+
+def last_position(store: Store, paths: list[str], epoch: int, packed: bool) -> int | None:
+    """Largest position of a consumed event of ``epoch`` in the segments at ``paths``."""
+    columns = ["epoch", "kind", "position"] + (["token_start"] if packed else [])
+    best: int | None = None
+    for batch in _dataset(store, paths).to_batches(
+        columns=columns, filter=pc.field("epoch") == epoch
+    ):
+        consumed, _ = _consumed(batch)
+        if consumed.any():
+            top = int(batch.column("position").to_numpy()[consumed].max())
+            best = top if best is None else max(best, top)
+    return best

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import duckdb
 import pyarrow as pa
 
-from ledger.audit.scan import Progress, ScanResult, scan
+from ledger.audit.scan import Progress, ScanResult, last_position, scan
 from ledger.audit.views import connect
 from ledger.commits import list_commits, read_run
 from ledger.store import Store
@@ -254,15 +254,14 @@ def _summarize(con: duckdb.DuckDBPyConnection, store: Store, progress: Progress 
         """,
     )
     head = con.execute("SELECT commit_id FROM commits WHERE is_head").fetchone()
-    epochs = list(scanned.epochs.values())
+    epochs = [c for c in scanned.epochs.values() if c.samples]
     last = None
     if epochs:
-        # Only the last epoch's row groups are read (Parquet statistics on `epoch`).
-        e = epochs[-1].epoch
-        position = _one(
-            con, f"SELECT max(position) FROM lineage WHERE epoch = {int(e)} AND {CONSUMED}"
-        )[0]
+        e = epochs[-1].epoch  # only the segments that reach it are read again
+        paths = [s.path for s in scanned.segments if s.last_epoch >= e]
+        position = last_position(store, paths, e, scanned.packed)
         last = Position(e, position) if position is not None else None
+    epochs = list(scanned.epochs.values())
     return Summary(
         run_id=run_id,
         dataset_len=dataset_len,
