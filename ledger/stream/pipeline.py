@@ -479,16 +479,7 @@ class WorkerRun:
             yield self._load(base + i, record)
 
     def _load(self, sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
-        seed = int(sample_seeds(self.seed, self.epoch, np.array([sid]))[0])
-        if self.per_sample_rng:
-            seed_globals(seed)
-        ctx = SampleContext(sid, self.epoch, seed)
-        item = self.stream.transform(record, ctx) if self.stream.transform else record
-        if self.stream.packer is not None:
-            tokens = np.asarray(item, dtype=np.int64).reshape(-1)
-            item = np.append(tokens, np.int64(self.stream.packer.eos_id))
-        draws = json.dumps(ctx.draws, sort_keys=True) if ctx.draws else None
-        return item, draws
+        return load_sample(self.stream, self.seed, self.epoch, sid, record, self.per_sample_rng)
 
     def batches(self) -> Iterator[tuple[BatchMeta, Any]]:
         """``(meta, collated batch)`` until the worker's epoch ends (last batch may be short)."""
@@ -562,6 +553,105 @@ class WorkerRun:
             "sample_ids": torch.from_numpy(np.stack(owners)),
         }
         return meta, data
+
+
+def load_sample(
+    stream: Stream,
+    seed: int,
+    epoch: int,
+    sid: int,
+    record: dict[str, Any],
+    per_sample_rng: bool,
+) -> tuple[Any, str | None]:
+    """Transform one record as a worker does: ``(item, JSON of its draws or None)``.
+
+    The transform gets a :class:`SampleContext` seeded from ``f(seed, epoch, sid)``;
+    with ``per_sample_rng`` torch, numpy and ``random`` are seeded from it too. A packed
+    stream's item is its tokens (``int64 (length,)``) with the EOS token appended.
+    """
+    s = int(sample_seeds(seed, epoch, np.array([sid]))[0])
+    if per_sample_rng:
+        seed_globals(s)
+    ctx = SampleContext(sid, epoch, s)
+    item = stream.transform(record, ctx) if stream.transform else record
+    if stream.packer is not None:
+        tokens = np.asarray(item, dtype=np.int64).reshape(-1)
+        item = np.append(tokens, np.int64(stream.packer.eos_id))
+    draws = json.dumps(ctx.draws, sort_keys=True) if ctx.draws else None
+    return item, draws
+
+
+def rebuild_batch(
+    stream: Stream,
+    seed: int,
+    epoch: int,
+    events: Any,
+    per_sample_rng: bool,
+    collate_fn: Callable[[list[Any]], Any],
+) -> Any:
+    """Re-create a logged batch of ``stream`` from its events (see :func:`load_sample`).
+
+    Args:
+        stream: the run's stream.
+        seed: the run's seed.
+        epoch: the batch's epoch.
+        events: the batch's ``sample``/``span`` events in batch order (an Arrow table
+            with ``sample_id``, ``token_start``, ``token_end`` and ``length`` columns).
+        per_sample_rng: whether the run seeded the global RNGs per sample.
+        collate_fn: the run's collate function (unpacked streams).
+
+    Returns:
+        The batch: ``collate_fn(items)``, or for a packed stream the dict of ``tokens``
+        and ``sample_ids`` (``int64 (sequences, seq_len)`` each) that the loader yields.
+
+    Raises:
+        LedgerError: if a sample's length or a span differs from the log (changed data
+            or a transform that is not deterministic).
+    """
+    ids = [int(i) for i in events.column("sample_id").to_pylist()]
+    unique = sorted(set(ids))
+    records = dict(zip(unique, stream.source.read(unique), strict=True))
+    with rngs_preserved(True):
+        items = {
+            sid: load_sample(stream, seed, epoch, sid, records[sid], per_sample_rng)[0]
+            for sid in dict.fromkeys(ids)
+        }
+    packer = stream.packer
+    if packer is None:
+        return collate_fn([items[sid] for sid in ids])
+    spans = zip(
+        events.column("token_start").to_pylist(),
+        events.column("token_end").to_pylist(),
+        events.column("length").to_pylist(),
+        strict=True,
+    )
+    tokens: list[np.ndarray] = []
+    owners: list[np.ndarray] = []
+    n = packer.seq_len  # the sequence being filled is full: start a new one
+    for sid, (start, end, length) in zip(ids, spans, strict=True):
+        doc = items[sid]
+        take = end - start
+        if len(doc) != length or not 0 <= start < end <= length or take > packer.seq_len:
+            raise LedgerError(
+                f"sample {sid} has {len(doc)} tokens now; the log packed tokens "
+                f"[{start}, {end}) of {length}: the data or the transform changed"
+            )
+        if n + take > packer.seq_len:
+            if n < packer.seq_len:  # the packer fills a sequence before it begins the next
+                raise LedgerError(
+                    f"the log packs a span of {take} tokens of sample {sid} into a sequence "
+                    f"with {packer.seq_len - n} tokens left: it is not this stream's packing"
+                )
+            tokens.append(np.full(packer.seq_len, packer.pad_id, np.int64))
+            owners.append(np.full(packer.seq_len, -1, np.int64))
+            n = 0
+        tokens[-1][n : n + take] = doc[start:end]
+        owners[-1][n : n + take] = sid
+        n += take
+    return {
+        "tokens": torch.from_numpy(np.stack(tokens)),
+        "sample_ids": torch.from_numpy(np.stack(owners)),
+    }
 
 
 def replicas(

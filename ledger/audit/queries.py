@@ -1,0 +1,377 @@
+"""What a model saw: where a sample went, what a batch held, the stream up to a commit.
+
+These read segments directly with Arrow (row order is consumption order within a
+segment) rather than through SQL, whose result order is only what ``ORDER BY`` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ledger import segments
+from ledger.audit.views import connect
+from ledger.commits import Commit, default_head, lineage, list_commits, read_run
+from ledger.errors import CommitNotFound, LedgerError
+from ledger.schema import BATCH, EVENT_SCHEMA, SAMPLE, SPAN
+from ledger.store import Store
+
+CONSUMED_KINDS = (SAMPLE, SPAN)
+"""Event kinds that hand (part of) a sample to the training loop."""
+
+
+@dataclass(frozen=True, slots=True)
+class Consumption:
+    """One event that handed a sample (or a span of its tokens) to a training loop.
+
+    Attributes:
+        attempt, rank, worker, epoch, batch, position: as in the ``events`` view.
+        kind: ``'sample'`` or ``'span'``.
+        token_start, token_end: the span's tokens (``None`` for ``'sample'``).
+        commit_id: commit whose marker names the event's segment; ``None`` for an event
+            only in a journal (consumed, never committed).
+        step: that commit's step (``None`` when uncommitted).
+        in_lineage: the commit is in the head's lineage (the head's model saw it).
+    """
+
+    attempt: int
+    rank: int
+    worker: int
+    epoch: int
+    batch: int
+    position: int
+    kind: str
+    token_start: int | None
+    token_end: int | None
+    commit_id: str | None
+    step: int | None
+    in_lineage: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SampleHistory:
+    """Everything the log says about one sample.
+
+    Attributes:
+        sample_id: the sample.
+        head: the head commit the lineage is taken from (``None``: empty log).
+        consumptions: every consumption, committed ones by step, attempt, rank, batch,
+            then the uncommitted ones.
+        commits: ids of the commits whose model saw the sample: a commit whose lineage
+            holds one of its consumptions, in step order.
+    """
+
+    sample_id: int
+    head: str | None
+    consumptions: tuple[Consumption, ...]
+    commits: tuple[str, ...]
+
+
+def where(root: str, sample_id: int, head: str | None = None) -> SampleHistory:
+    """Every consumption of ``sample_id``, and the commits whose model saw it.
+
+    Args:
+        root: the log root.
+        sample_id: the sample's id (map-style: the dataset index; streams: the row).
+        head: head commit of the lineage (default: the newest commit of the newest
+            attempt).
+
+    Returns:
+        The sample's history.
+
+    Raises:
+        CommitNotFound: if ``root`` holds no run, or ``head`` names no commit.
+        LogCorrupted: if the commit chain is broken or a committed segment is missing.
+    """
+    con = connect(root, head)
+    try:
+        rows = con.execute(
+            """
+            SELECT e.attempt, e.rank, e.worker, e.epoch, e.batch, e.position, e.kind,
+                   e.token_start, e.token_end, e.commit_id, e.step, c.in_lineage
+            FROM events AS e JOIN commits AS c USING (commit_id)
+            WHERE e.sample_id = $id AND e.kind IN ('sample', 'span')
+            ORDER BY e.step, e.attempt, e.rank, e.batch, e.token_start NULLS FIRST
+            """,
+            {"id": int(sample_id)},
+        ).fetchall()
+        lost = con.execute(
+            """
+            SELECT attempt, rank, worker, epoch, batch, position, kind, token_start,
+                   token_end, NULL, NULL, false
+            FROM uncommitted WHERE sample_id = $id AND kind IN ('sample', 'span')
+            ORDER BY attempt, rank, batch, token_start NULLS FIRST
+            """,
+            {"id": int(sample_id)},
+        ).fetchall()
+        head_row = con.execute("SELECT commit_id FROM commits WHERE is_head").fetchone()
+        parents = con.execute(
+            "SELECT commit_id, parent FROM commits ORDER BY step, attempt"
+        ).fetchall()
+    finally:
+        con.close()
+    holding = {r[9] for r in rows}
+    seen: dict[str, bool] = {}
+    for cid, parent in parents:  # parents sort before children: (step, attempt) order
+        seen[cid] = cid in holding or (parent is not None and seen.get(parent, False))
+    return SampleHistory(
+        sample_id=int(sample_id),
+        head=head_row[0] if head_row else None,
+        consumptions=tuple(Consumption(*r) for r in rows + lost),
+        commits=tuple(cid for cid, _ in parents if seen[cid]),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRecord:
+    """One batch of one rank in the lineage, as logged.
+
+    Attributes:
+        rank: the rank.
+        batch: its batch index.
+        epoch: the batch's epoch.
+        worker: the worker that produced it (``-1``: main process).
+        commit_id: the commit whose segment holds it.
+        events: its ``'sample'``/``'span'`` events, in batch order, with the columns of
+            :data:`ledger.schema.EVENT_SCHEMA`.
+        digest: the content digest recorded when the training loop received the batch
+            (``None`` if the loader ran with ``digest=False``).
+    """
+
+    rank: int
+    batch: int
+    epoch: int
+    worker: int
+    commit_id: str
+    events: pa.Table
+    digest: str | None
+
+    @property
+    def sample_ids(self) -> np.ndarray:
+        """``int64 (rows,)``: the sample of each event (a packed sample once per span)."""
+        return np.asarray(self.events.column("sample_id").to_numpy(), np.int64)
+
+
+def _chain(store: Store, head: str | None) -> list[Commit]:
+    commits = list_commits(store)
+    if head is None:
+        newest = default_head(commits)
+        if newest is None:
+            return []
+        head = newest.id
+    return lineage(store, head, known={c.id: c for c in commits})
+
+
+def show(root: str, batch: int, rank: int = 0, head: str | None = None) -> BatchRecord:
+    """The samples of batch ``batch`` of ``rank`` in the lineage of ``head``.
+
+    Args:
+        root: the log root.
+        batch: the per-rank batch index (the training step when one batch is one step).
+        rank: the rank.
+        head: head commit (default: the newest commit of the newest attempt).
+
+    Returns:
+        The batch as logged.
+
+    Raises:
+        CommitNotFound: if the root holds no run, ``head`` names no commit, or the
+            lineage holds no batch ``batch`` of ``rank`` (not reached, or not committed).
+        LogCorrupted: if the segment holding it is missing or altered.
+    """
+    store = Store(root)
+    read_run(store)
+    for commit in _chain(store, head):
+        for ref in commit.segments:
+            if ref.rank != rank or ref.rows == 0:
+                continue
+            pf = segments.open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256)
+            col = EVENT_SCHEMA.get_field_index("batch")
+            stats = [
+                pf.metadata.row_group(i).column(col).statistics for i in range(pf.num_row_groups)
+            ]
+            if not any(s is None or s.min <= batch <= s.max for s in stats):
+                continue
+            table = pf.read()
+            table = table.filter(pc.equal(table["batch"], batch))
+            kinds = table["kind"].cast(pa.string())
+            events = table.filter(pc.is_in(kinds, pa.array(CONSUMED_KINDS)))
+            if events.num_rows == 0:
+                continue
+            digests = table.filter(pc.equal(kinds, BATCH))["value"].to_pylist()
+            return BatchRecord(
+                rank=rank,
+                batch=batch,
+                epoch=int(events["epoch"][0].as_py()),
+                worker=int(events["worker"][0].as_py()),
+                commit_id=commit.id,
+                events=events,
+                digest=digests[0] if digests else None,
+            )
+    raise CommitNotFound(
+        f"the lineage of {head or 'the default head'} in {store.uri} holds no batch {batch} "
+        f"of rank {rank}: it was not reached, or not committed"
+    )
+
+
+RECONSTRUCT_SCHEMA = pa.schema(
+    [pa.field("ordinal", pa.int64(), nullable=False)]
+    + [f for f in EVENT_SCHEMA if f.name != "kind"]
+    + [
+        pa.field("kind", pa.string(), nullable=False),
+        pa.field("commit_id", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+    ]
+)
+"""Columns of :func:`reconstruct`'s output: ``ordinal`` (0, 1, ...: the order in which
+the training loop received the events), the event columns, and the commit holding each."""
+
+
+def reconstruct(
+    root: str,
+    commit: str,
+    out: str | Path,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
+    """Write exactly what the model at ``commit`` saw, in order, to a Parquet file.
+
+    The rows are the ``'sample'`` and ``'span'`` events of the commit's lineage (for a
+    packed stream, one row per span: which tokens of which sample), ordered by the
+    training step (``batch``), then rank, then their order in the batch. Each segment's
+    checksum is verified before it is used.
+
+    Args:
+        root: the log root.
+        commit: the commit id (``"000000000042-0001"``).
+        out: the Parquet file to write (overwritten).
+        progress: called with ``(commits done, commits in all)``.
+
+    Returns:
+        The number of rows written.
+
+    Raises:
+        CommitNotFound: if the root holds no run or ``commit`` is not in it.
+        LogCorrupted: if a segment of the lineage is missing or altered.
+    """
+    store = Store(root)
+    read_run(store)
+    chain = _chain(store, commit)
+    total = 0
+    with pq.ParquetWriter(str(out), RECONSTRUCT_SCHEMA, compression="zstd") as writer:
+        for done, c in enumerate(chain, 1):
+            parts = []
+            for ref in sorted(c.segments, key=lambda s: s.rank):
+                t = segments.read(store, ref.path, rows=ref.rows, checksum=ref.sha256)
+                kinds = t["kind"].cast(pa.string())
+                t = t.filter(pc.is_in(kinds, pa.array(CONSUMED_KINDS)))
+                parts.append(
+                    t.set_column(
+                        t.schema.get_field_index("kind"), "kind", t["kind"].cast(pa.string())
+                    )
+                )
+            if parts:
+                table = pa.concat_tables(parts)
+                # Arrow's sort is stable: rows of a batch keep their order.
+                table = table.take(
+                    pc.sort_indices(table, [("batch", "ascending"), ("rank", "ascending")])
+                )
+                n = table.num_rows
+                table = (
+                    table.append_column("commit_id", pa.array([c.id] * n, pa.string()))
+                    .append_column("step", pa.array(np.full(n, c.step, np.int64)))
+                    .add_column(0, "ordinal", pa.array(np.arange(total, total + n, dtype=np.int64)))
+                )
+                writer.write_table(table.select(RECONSTRUCT_SCHEMA.names).cast(RECONSTRUCT_SCHEMA))
+                total += n
+            if progress is not None:
+                progress(done, len(chain))
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class Materialized:
+    """A batch re-created from the dataset with the recorded seeds.
+
+    Attributes:
+        record: the batch as logged.
+        data: the re-created batch (what the collate function returned).
+        digest: its content digest.
+        matches: ``digest == record.digest`` (``False`` when no digest was recorded).
+    """
+
+    record: BatchRecord
+    data: Any
+    digest: str
+    matches: bool
+
+
+def materialize(
+    root: str,
+    batch: int,
+    dataset: Any,
+    *,
+    rank: int = 0,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    head: str | None = None,
+) -> Materialized:
+    """Re-create a logged batch through the dataset, with the recorded per-sample seeds.
+
+    Map-style datasets: ``dataset[i]`` for each logged id, with torch, numpy and
+    ``random`` seeded from ``f(seed, epoch, i)`` when the run used ``per_sample_rng``,
+    then ``collate_fn``. Streams (:class:`ledger.stream.Stream`): each sample re-read
+    from its shard and transformed with its seed; packed streams re-pack the logged
+    token spans into sequences. The global RNG states are restored afterwards.
+
+    Args:
+        root: the log root.
+        batch: the per-rank batch index.
+        dataset: the run's dataset (map-style or a Stream), built as for training.
+        rank: the rank.
+        collate_fn: the run's collate function (default: torch's ``default_collate``).
+        head: head commit (default: the newest commit of the newest attempt).
+
+    Returns:
+        The re-created batch and whether its digest equals the recorded one.
+
+    Raises:
+        CommitNotFound: if the lineage holds no such batch.
+        LedgerError: if the dataset's length differs from the run's.
+    """
+    import torch.utils.data as tud
+
+    from ledger.digest import batch_digest
+    from ledger.order import rngs_preserved, sample_seeds, seed_globals
+    from ledger.stream.pipeline import Stream, rebuild_batch
+
+    record = show(root, batch, rank, head)
+    config = read_run(Store(root))["config"]
+    collate = collate_fn or tud.default_collate
+    seed = int(config["seed"])
+    per_sample = bool(config.get("per_sample_rng", True))
+    if isinstance(dataset, Stream):
+        data = rebuild_batch(dataset, seed, record.epoch, record.events, per_sample, collate)
+    else:
+        if len(dataset) != config["dataset_len"]:
+            raise LedgerError(
+                f"the dataset has {len(dataset)} samples, the run's had "
+                f"{config['dataset_len']}: pass the dataset the run trained on"
+            )
+        ids = record.sample_ids
+        samples = []
+        with rngs_preserved(True):
+            for sid, s in zip(
+                ids.tolist(), sample_seeds(seed, record.epoch, ids).tolist(), strict=True
+            ):
+                if per_sample:
+                    seed_globals(s)
+                samples.append(dataset[sid])
+        data = collate(samples)
+    digest = batch_digest(data)
+    return Materialized(record, data, digest, digest == record.digest)
