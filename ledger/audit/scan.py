@@ -42,6 +42,7 @@ class EpochCounts:
         samples: consumed events (``'sample'`` events and first spans of packed samples).
         distinct: distinct sample ids among them.
         skipped: ``'skip'`` events.
+        skipped_distinct: distinct ids among them.
         covered: distinct ids consumed or skipped.
     """
 
@@ -49,6 +50,7 @@ class EpochCounts:
     samples: int = 0
     distinct: int = 0
     skipped: int = 0
+    skipped_distinct: int = 0
     covered: int = 0
 
     @property
@@ -254,6 +256,7 @@ def scan(
         )
     for e, (seen, skips) in ids.items():
         result.epochs[e].distinct = seen.count()
+        result.epochs[e].skipped_distinct = skips.count()
         result.epochs[e].covered = seen.union_count(skips)
     result.epochs = {e: c for e, c in sorted(result.epochs.items()) if c.samples or c.skipped}
     if progress is not None:

@@ -58,6 +58,9 @@ class EpochSummary:
         coverage: ``distinct / dataset_len``, in ``[0, 1]``.
         duplicates: ``samples - distinct``: consumptions of an id already seen that epoch.
         skipped: ``'skip'`` events: positions dropped by ``drop_last``.
+        skipped_distinct: distinct ids among them.
+        covered: distinct ids consumed or skipped (the epoch is complete when it equals
+            the dataset length).
     """
 
     epoch: int
@@ -66,6 +69,8 @@ class EpochSummary:
     coverage: float
     duplicates: int
     skipped: int
+    skipped_distinct: int = 0
+    covered: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +281,8 @@ def _summarize(con: duckdb.DuckDBPyConnection, store: Store, progress: Progress 
                 coverage=c.distinct / dataset_len if dataset_len else 0.0,
                 duplicates=c.duplicates,
                 skipped=c.skipped,
+                skipped_distinct=c.skipped_distinct,
+                covered=c.covered,
             )
             for c in epochs
         ),

@@ -1,0 +1,398 @@
+"""Pass/fail checks over a log: the named audits of ``ledger audit --check`` and
+``ledger verify``, for gating a pipeline on the log's health.
+
+Each check returns a :class:`CheckResult`; ``ok`` is ``False`` when the log shows the
+problem the check is named after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ledger.audit.scan import Progress
+from ledger.audit.summary import Summary, counts, summarize
+from ledger.audit.views import connect
+from ledger.commits import Commit, SegmentRef, list_commits, read_run
+from ledger.errors import LedgerError
+from ledger.schema import EVENT_SCHEMA
+from ledger.store import Store, sha256
+
+CHECKS = ("coverage", "duplicates", "skips", "abandoned", "progress", "skew")
+"""Names of the checks :func:`check` runs."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    """The outcome of one check.
+
+    Attributes:
+        check: the check's name.
+        ok: ``True`` when the log passes it.
+        detail: one line: what was found (the failing epochs, commits, ranks...).
+    """
+
+    check: str
+    ok: bool
+    detail: str
+
+
+def orphans(store: Store, commits: Sequence[Commit]) -> list[str]:
+    """Segment files that no commit marker names (a crash between segment and marker).
+
+    Returns:
+        Their paths relative to the root, sorted.
+    """
+    named = {s.path for c in commits for s in c.segments}
+    return sorted(
+        rel
+        for rel in store.glob("events/attempt=*/rank=*/*.parquet")
+        if rel not in named and not rel.rsplit("/", 1)[-1].startswith(".tmp-")
+    )
+
+
+def _epochs(epochs: list[int]) -> str:
+    return ", ".join(str(e) for e in epochs[:10]) + (" ..." if len(epochs) > 10 else "")
+
+
+def check(
+    root: str,
+    names: Sequence[str] = CHECKS,
+    *,
+    head: str | None = None,
+    max_skew: int | None = None,
+    progress: Progress | None = None,
+) -> list[CheckResult]:
+    """Run the named checks on the lineage of ``head``.
+
+    - ``coverage``: every epoch the head's ranks have all finished holds each sample
+      of the dataset, consumed or skipped.
+    - ``duplicates``: no sample is consumed twice in one epoch.
+    - ``skips``: only ``drop_last`` skips samples, fewer than one global batch per epoch
+      (``world_size * batch_size``), and never a sample it also consumed.
+    - ``abandoned``: no sample was seen by a model that is not in the lineage: no commit
+      off the lineage holds samples, no journal holds uncommitted batches, no orphan
+      segment exists. Fails after any resume from an older checkpoint than the last
+      commit, or any crash: the detail says how much work was lost.
+    - ``progress``: along the lineage each rank's epoch and batch index never go back,
+      and its epochs follow one another without a gap.
+    - ``skew``: at every commit of the lineage, the ranks of an attempt are within
+      ``max_skew`` samples of one another (default: the batch size).
+
+    Args:
+        root: the log root.
+        names: checks to run, from :data:`CHECKS`.
+        head: head commit (default: the newest commit of the newest attempt).
+        max_skew: the ``skew`` check's limit in samples.
+        progress: called with ``(segments done, segments in all)`` during the scan.
+
+    Returns:
+        One result per name, in the order given.
+
+    Raises:
+        ValueError: if a name is not in :data:`CHECKS`.
+        CommitNotFound, LogCorrupted: as for :func:`ledger.audit.summarize`.
+    """
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        raise ValueError(f"unknown check {unknown[0]!r}; the checks are {', '.join(CHECKS)}")
+    store = Store(root)
+    config = read_run(store)["config"]
+    summary = summarize(root, head, progress)
+    con = connect(root, summary.head)
+    try:
+        results = []
+        for name in names:
+            if name == "coverage":
+                results.append(_coverage(summary))
+            elif name == "duplicates":
+                bad = [e for e in summary.epochs if e.duplicates]
+                detail = "; ".join(f"epoch {e.epoch}: {e.duplicates}" for e in bad[:10])
+                results.append(
+                    CheckResult(
+                        name,
+                        not bad,
+                        f"duplicate consumptions: {detail}"
+                        if bad
+                        else f"no sample consumed twice in {len(summary.epochs)} epochs",
+                    )
+                )
+            elif name == "skips":
+                results.append(_skips(summary, config))
+            elif name == "abandoned":
+                results.append(_abandoned(store, summary))
+            elif name == "progress":
+                results.append(_progress(con))
+            else:
+                limit = int(config.get("batch_size", 1)) if max_skew is None else max_skew
+                skew = summary.skew
+                spread = skew.samples if skew else 0
+                results.append(
+                    CheckResult(
+                        name,
+                        spread <= limit,
+                        f"largest spread {spread} samples at commit {skew.commit} (limit {limit})"
+                        if skew
+                        else "one rank: no skew",
+                    )
+                )
+        return results
+    finally:
+        con.close()
+
+
+def _coverage(s: Summary) -> CheckResult:
+    finished = min((r.epoch for r in s.ranks), default=0)
+    covered = {e.epoch: e for e in s.epochs}
+    bad = [e for e in range(finished) if e in covered and covered[e].covered < s.dataset_len]
+    bad += [e for e in range(finished) if e not in covered]
+    if bad:
+        worst = sorted(bad)
+        detail = "; ".join(
+            f"epoch {e}: {s.dataset_len - (covered[e].covered if e in covered else 0)} "
+            "samples neither consumed nor skipped"
+            for e in worst[:5]
+        )
+        return CheckResult("coverage", False, detail)
+    current = covered.get(finished)
+    now = f"; epoch {finished} at {current.coverage:.2%}" if current else ""
+    return CheckResult(
+        "coverage", True, f"{finished} finished epochs cover all {s.dataset_len} samples{now}"
+    )
+
+
+def _skips(s: Summary, config: dict) -> CheckResult:
+    world = max((r.world_size for r in s.attempts), default=1)
+    limit = world * int(config.get("batch_size", 1)) - 1 if config.get("drop_last") else 0
+    over = [e for e in s.epochs if e.skipped > limit]
+    both = [e for e in s.epochs if e.skipped_distinct + e.distinct > e.covered]
+    if over or both:
+        parts = [f"epoch {e.epoch}: {e.skipped} skipped (limit {limit})" for e in over[:5]]
+        parts += [
+            f"epoch {e.epoch}: {e.skipped_distinct + e.distinct - e.covered} samples both "
+            "skipped and consumed"
+            for e in both[:5]
+        ]
+        return CheckResult("skips", False, "; ".join(parts))
+    total = sum(e.skipped for e in s.epochs)
+    return CheckResult("skips", True, f"{total} samples skipped, at most {limit} per epoch")
+
+
+def _abandoned(store: Store, s: Summary) -> CheckResult:
+    lost = sum(a.uncommitted_samples for a in s.attempts)
+    lost_batches = sum(a.uncommitted_batches for a in s.attempts)
+    orphaned = orphans(store, list_commits(store))
+    parts = []
+    if s.abandoned_samples:
+        parts.append(
+            f"{s.abandoned_commits} commits off the lineage hold {s.abandoned_samples} samples"
+        )
+    if lost:
+        parts.append(f"journals hold {lost_batches} uncommitted batches ({lost} samples)")
+    if orphaned:
+        parts.append(f"{len(orphaned)} orphan segments ({orphaned[0]} ...)")
+    if parts:
+        return CheckResult("abandoned", False, "; ".join(parts))
+    return CheckResult("abandoned", True, "every sample a model saw is in the lineage")
+
+
+def _progress(con: duckdb.DuckDBPyConnection) -> CheckResult:
+    rows = con.execute(
+        """
+        WITH per AS (
+            SELECT s.rank, c.step, c.attempt, c.commit_id, s.epoch, s.batch,
+                   lag(s.epoch) OVER w AS prev_epoch, lag(s.batch) OVER w AS prev_batch
+            FROM states AS s JOIN commits AS c USING (commit_id)
+            WHERE c.in_lineage
+            WINDOW w AS (PARTITION BY s.rank ORDER BY c.step, c.attempt)
+        )
+        SELECT rank, commit_id, prev_epoch, epoch, prev_batch, batch FROM per
+        WHERE epoch < prev_epoch OR batch < prev_batch OR epoch > prev_epoch + 1
+        ORDER BY step, attempt, rank LIMIT 5
+        """
+    ).fetchall()
+    if rows:
+        detail = "; ".join(
+            f"rank {r} at {c}: epoch {pe} -> {e}, batch {pb} -> {b}" for r, c, pe, e, pb, b in rows
+        )
+        return CheckResult("progress", False, detail)
+    head = con.execute(
+        """
+        SELECT count(*), min(s.epoch), max(s.epoch), min(s.batch), max(s.batch)
+        FROM states AS s JOIN commits AS c USING (commit_id) WHERE c.is_head
+        """
+    ).fetchone()
+    assert head is not None
+    n, e0, e1, b0, b1 = head
+    if not n:
+        return CheckResult("progress", True, "no commit yet")
+    epochs = f"epoch {e0}" if e0 == e1 else f"epochs {e0}-{e1}"
+    batches = f"batch {b0}" if b0 == b1 else f"batches {b0}-{b1}"
+    return CheckResult("progress", True, f"{n} ranks at {epochs}, {batches}; none went back")
+
+
+# ---------------------------------------------------------------- verify
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """What :func:`verify` checked.
+
+    Attributes:
+        results: one per check: ``markers``, ``chain``, ``segments``, ``duplicates``,
+            ``orphans`` (orphans are reported, not failures: replay ignores them).
+        segments: segment files checked.
+        events: rows in them.
+        bytes: their total size (bytes).
+    """
+
+    results: tuple[CheckResult, ...]
+    segments: int
+    events: int
+    bytes: int
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+
+def verify(root: str, progress: Progress | None = None) -> Verification:
+    """Check the log's integrity: markers, commit chain, every segment, duplicates.
+
+    - ``markers``: every commit marker and ``run.json`` parse.
+    - ``chain``: every parent exists, no chain loops, a child's step is not below its
+      parent's, every rank of the world size has a state.
+    - ``segments``: every segment a marker names exists, has the marker's size, SHA-256
+      and row count, is a readable Parquet file with the event schema, and holds only
+      its own attempt and rank (Parquet statistics).
+    - ``duplicates``: no sample consumed twice in an epoch of the default head's lineage.
+    - ``orphans``: segment files no marker names (reported; replay ignores them).
+
+    Args:
+        root: the log root.
+        progress: called with ``(segments done, segments in all)`` while hashing.
+
+    Returns:
+        The results; ``ok`` is ``False`` if any check failed.
+
+    Raises:
+        CommitNotFound: if ``root`` holds no run.
+    """
+    store = Store(root)
+    read_run(store)
+    results: list[CheckResult] = []
+    try:
+        commits = list_commits(store)
+    except LedgerError as e:
+        return Verification((CheckResult("markers", False, str(e)),), 0, 0, 0)
+    results.append(CheckResult("markers", True, f"{len(commits)} commit markers parse"))
+    results.append(_chain(commits))
+    bad: list[str] = []
+    refs = [(c, s) for c in commits for s in c.segments]
+    nbytes = events = 0
+    for done, (c, ref) in enumerate(refs, 1):
+        problem = _segment(store, c, ref)
+        if problem:
+            bad.append(problem)
+        nbytes += ref.bytes
+        events += ref.rows
+        if progress is not None:
+            progress(done, len(refs))
+    results.append(
+        CheckResult("segments", False, f"{len(bad)} bad: " + "; ".join(bad[:3]))
+        if bad
+        else CheckResult(
+            "segments", True, f"{len(refs)} segments match their markers ({events} events)"
+        )
+    )
+    if results[1].ok and not bad:
+        con = connect(root)
+        try:
+            scanned = counts(con, store)
+        finally:
+            con.close()
+        dup = [e for e in scanned.epochs.values() if e.duplicates]
+        results.append(
+            CheckResult(
+                "duplicates",
+                not dup,
+                "; ".join(f"epoch {e.epoch}: {e.duplicates} duplicates" for e in dup[:5])
+                if dup
+                else f"no duplicates in {len(scanned.epochs)} epochs of the lineage",
+            )
+        )
+    else:
+        results.append(CheckResult("duplicates", False, "not checked: the log is damaged"))
+    orphaned = orphans(store, commits)
+    results.append(
+        CheckResult(
+            "orphans",
+            True,
+            f"{len(orphaned)} orphan segments, ignored by replay ({orphaned[0]} ...)"
+            if orphaned
+            else "no orphan segments",
+        )
+    )
+    return Verification(tuple(results), len(refs), events, nbytes)
+
+
+def _chain(commits: list[Commit]) -> CheckResult:
+    by_id = {c.id: c for c in commits}
+    problems = []
+    for c in commits:
+        if c.parent is not None:
+            parent = by_id.get(c.parent)
+            if parent is None:
+                problems.append(f"{c.id}: parent {c.parent} is missing")
+            elif parent.step > c.step:
+                problems.append(f"{c.id}: parent {c.parent} is at a later step")
+        ranks = sorted(s.rank for s in c.states)
+        if ranks != list(range(c.world_size)):
+            problems.append(f"{c.id}: states of ranks {ranks} for world size {c.world_size}")
+    for c in commits:  # a loop: following parents comes back to a commit
+        seen: set[str] = set()
+        cur: Commit | None = c
+        while cur is not None and cur.parent is not None:
+            if cur.id in seen:
+                problems.append(f"{c.id}: its chain loops at {cur.id}")
+                break
+            seen.add(cur.id)
+            cur = by_id.get(cur.parent)
+    if problems:
+        return CheckResult("chain", False, "; ".join(problems[:3]))
+    return CheckResult("chain", True, "every parent exists, steps never go back")
+
+
+def _segment(store: Store, c: Commit, ref: SegmentRef) -> str | None:
+    where = f"{ref.path} (commit {c.id})"
+    try:
+        data = store.read_bytes(ref.path)
+    except FileNotFoundError:
+        return f"{where} is missing"
+    if len(data) != ref.bytes:
+        return f"{where} has {len(data)} bytes, the marker says {ref.bytes}"
+    if sha256(data) != ref.sha256:
+        return f"{where} has another SHA-256 than its marker"
+    try:
+        meta = pq.ParquetFile(pa.BufferReader(data)).metadata
+    except (pa.ArrowException, OSError) as e:
+        return f"{where} is not readable Parquet: {e}"
+    if meta.num_rows != ref.rows:
+        return f"{where} has {meta.num_rows} rows, the marker says {ref.rows}"
+    names = meta.schema.to_arrow_schema().names
+    if names != EVENT_SCHEMA.names:
+        return f"{where} has columns {names}, not the event schema"
+    for col, want in (("attempt", c.attempt), ("rank", ref.rank)):
+        i = names.index(col)
+        for g in range(meta.num_row_groups):
+            st = meta.row_group(g).column(i).statistics
+            if st is not None and st.has_min_max and not st.min == st.max == want:
+                return f"{where} holds {col} {st.min}..{st.max}, its path says {want}"
+    return None
+
+
+__all__ = ["CHECKS", "CheckResult", "Verification", "check", "orphans", "verify"]
