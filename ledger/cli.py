@@ -7,11 +7,16 @@ A user error (a :class:`ledger.errors.LedgerError`, an error in the user's SQL) 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import datetime
 import decimal
+import importlib
+import importlib.util
+import inspect
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -19,15 +24,22 @@ from typing import Any, TypeVar
 import click
 import duckdb
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from ledger.audit import VIEWS, Summary, connect, summarize
+from ledger.audit.checks import CHECKS, CheckResult, check, verify
+from ledger.audit.queries import materialize as materialize_batch
+from ledger.audit.queries import reconstruct, show, where
 from ledger.errors import LedgerError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 FORMATS = ("table", "csv", "json", "ndjson")
 _FETCH_ROWS = 10_000  # rows per fetch when streaming a query result
+CHECK_FAILED = 3
+"""Exit status when a check fails (``audit --check``, ``verify``, ``show --materialize``);
+1 is a user error, 2 a usage error."""
 
 
 class _Group(click.Group):
@@ -64,12 +76,41 @@ def output_options(f: F) -> F:
 def main() -> None:
     """Audit and inspect a ledger log: what a model saw, and when.
 
+    Exit status: 0 on success, 1 on an error (one line on stderr), 2 on a usage error,
+    3 when a check fails (audit --check, verify, show --materialize).
+
     Example:
 
     \b
         ledger audit /runs/exp7
-        ledger audit /runs/exp7 --sql "SELECT * FROM commits" --format csv
+        ledger audit /runs/exp7 --check coverage --check duplicates
+        ledger where /runs/exp7 --sample 1234
+        ledger reconstruct /runs/exp7 --commit 000000000040-0000 --out seen.parquet
     """
+
+
+@contextlib.contextmanager
+def _progress(what: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress bar on stderr for a long scan, or ``None`` when stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    columns = (TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _head_option(f: F) -> F:
+    return click.option(
+        "--head",
+        metavar="COMMIT",
+        help="Commit whose lineage is audited [default: the newest commit of the newest attempt].",
+    )(f)
 
 
 @main.command()
@@ -80,31 +121,64 @@ def main() -> None:
     help=f"Run QUERY over the views ({', '.join(VIEWS)}) instead of printing the "
     "summary; '-' reads it from stdin.",
 )
+@_head_option
 @click.option(
-    "--head",
-    metavar="COMMIT",
-    help="Commit whose lineage the summary and the lineage view hold "
-    "[default: the newest commit of the newest attempt].",
+    "--check",
+    "checks",
+    multiple=True,
+    type=click.Choice((*CHECKS, "all")),
+    help="Run a named check instead of printing the summary (repeatable; 'all' runs "
+    "every one). Exit status 3 if one fails.",
+)
+@click.option(
+    "--max-skew",
+    type=click.IntRange(min=0),
+    metavar="SAMPLES",
+    help="Limit of the skew check, in samples [default: the batch size].",
 )
 @output_options
-def audit(root: str, sql: str | None, head: str | None, fmt: str) -> None:
-    """Summarise the log at ROOT, or run SQL over its views.
+def audit(
+    root: str,
+    sql: str | None,
+    head: str | None,
+    checks: tuple[str, ...],
+    max_skew: int | None,
+    fmt: str,
+) -> None:
+    """Summarise the log at ROOT, run checks on it, or run SQL over its views.
 
     The summary gives attempts, per-epoch samples, coverage, duplicates and skips
-    of the head's lineage, and the work of abandoned branches. The views are
-    read-only: a query cannot read or write other files.
+    of the head's lineage, and the work of abandoned branches. The checks:
+    coverage (finished epochs hold every sample), duplicates (none in an epoch),
+    skips (only drop_last's tail), abandoned (no sample seen off the lineage: abandoned
+    branches, uncommitted batches, orphan segments), progress (no rank goes back),
+    skew (ranks within --max-skew samples). The views are read-only: a query cannot read
+    or write other files.
 
     Example:
 
     \b
         ledger audit /runs/exp7
         ledger audit /runs/exp7 --head 000000000040-0000
+        ledger audit /runs/exp7 --check coverage --check duplicates || exit 1
         ledger audit /runs/exp7 --format csv \\
             --sql "SELECT epoch, count(*) AS samples FROM lineage GROUP BY 1"
         echo "SELECT * FROM commits" | ledger audit /runs/exp7 --sql - --format json
     """
+    if checks and sql is not None:
+        raise click.UsageError("--check and --sql cannot be combined")
+    if checks:
+        names = CHECKS if "all" in checks else tuple(dict.fromkeys(checks))
+        with _progress("scanning segments") as progress:
+            results = check(root, names, head=head, max_skew=max_skew, progress=progress)
+        _print_checks(results, fmt)
+        if not all(r.ok for r in results):
+            sys.exit(CHECK_FAILED)
+        return
     if sql is None:
-        _print_summary(summarize(root, head), fmt)
+        with _progress("scanning segments") as progress:
+            s = summarize(root, head, progress)
+        _print_summary(s, fmt)
         return
     if sql == "-":
         sql = sys.stdin.read()
@@ -121,6 +195,269 @@ def audit(root: str, sql: str | None, head: str | None, fmt: str) -> None:
 def _fetch(cursor: duckdb.DuckDBPyConnection) -> Iterator[tuple[Any, ...]]:
     while rows := cursor.fetchmany(_FETCH_ROWS):
         yield from rows
+
+
+@main.command("where")
+@click.argument("root")
+@click.option("--sample", "sample_id", required=True, type=int, metavar="ID", help="Sample id.")
+@_head_option
+@output_options
+def where_command(root: str, sample_id: int, head: str | None, fmt: str) -> None:
+    """Every consumption of sample ID in the log at ROOT, and the commits that saw it.
+
+    One row per (attempt, rank, epoch, batch) that consumed the sample, committed or
+    not, with whether it is in the head's lineage; then the commits whose model saw it
+    (a commit whose lineage holds one of those consumptions).
+
+    Example:
+
+    \b
+        ledger where /runs/exp7 --sample 1234
+        ledger where /runs/exp7 --sample 1234 --format json
+    """
+    h = where(root, sample_id, head)
+    rows = [dataclasses.astuple(c) for c in h.consumptions]
+    columns = [f.name for f in dataclasses.fields(type(h.consumptions[0]))] if rows else []
+    if fmt in ("json", "ndjson"):
+        indent = 2 if fmt == "json" else None
+        click.echo(json.dumps(dataclasses.asdict(h), indent=indent))
+        return
+    if fmt == "csv":
+        _print_rows(columns or ["attempt"], iter(rows), fmt)
+        return
+    console = _console(sys.stdout)
+    seen = sum(c.in_lineage for c in h.consumptions)
+    console.print(
+        f"sample {h.sample_id}: {len(rows)} consumptions, {seen} in the lineage of {h.head or '-'}",
+        soft_wrap=True,
+    )
+    if rows:
+        spans = any(c.token_start is not None for c in h.consumptions)
+        # A packed sample shows its token span; 'kind' is implied ('sample' or 'span').
+        table = Table("attempt", "rank", "epoch", "batch", "position")
+        if spans:
+            table.add_column("tokens")
+        table.add_column("commit", min_width=17, no_wrap=True)  # ids are copied whole
+        table.add_column("lineage")
+        for c in h.consumptions:
+            cells = [str(c.attempt), str(c.rank), str(c.epoch), str(c.batch), str(c.position)]
+            if spans:
+                cells.append("" if c.token_start is None else f"{c.token_start}:{c.token_end}")
+            cells += [c.commit_id or "uncommitted", "yes" if c.in_lineage else "no"]
+            table.add_row(*cells)
+        console.print(table)
+    console.print(f"commits whose model saw it: {len(h.commits)}", soft_wrap=True)
+    if h.commits:
+        console.print(", ".join(h.commits), soft_wrap=True)
+
+
+def _load_object(spec: str, kwargs: str | None) -> Any:
+    """``MODULE:NAME`` or ``path/file.py:NAME``; a function or class is called with
+    ``kwargs`` (a JSON object)."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise click.BadParameter(f"{spec!r} is not MODULE:NAME or FILE.py:NAME")
+    try:
+        if target.endswith(".py"):
+            location = importlib.util.spec_from_file_location(os.path.basename(target)[:-3], target)
+            if location is None or location.loader is None:
+                raise ImportError(f"cannot import {target}")
+            module = importlib.util.module_from_spec(location)
+            location.loader.exec_module(module)
+        else:
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(target)
+        obj = module
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, OSError) as e:
+        raise click.BadParameter(f"cannot load {spec}: {e}") from e
+    if inspect.isfunction(obj) or inspect.isclass(obj):
+        try:
+            args = json.loads(kwargs) if kwargs else {}
+        except json.JSONDecodeError as e:
+            raise click.BadParameter(f"--dataset-kwargs is not JSON: {e}") from e
+        if not isinstance(args, dict):
+            raise click.BadParameter("--dataset-kwargs must be a JSON object")
+        return obj(**args)
+    return obj
+
+
+@main.command("show")
+@click.argument("root")
+@click.option("--batch", required=True, type=click.IntRange(min=0), help="Batch index.")
+@click.option("--rank", default=0, show_default=True, type=click.IntRange(min=0))
+@_head_option
+@click.option(
+    "--materialize",
+    is_flag=True,
+    help="Re-create the batch through the dataset with the recorded seeds and compare "
+    "its content digest with the recorded one (exit status 3 if they differ).",
+)
+@click.option(
+    "--dataset",
+    metavar="MODULE:NAME",
+    help="With --materialize: the run's dataset: a dataset object, or a function or class "
+    "called with --dataset-kwargs (MODULE is importable from the current directory, or a "
+    "path to a .py file).",
+)
+@click.option("--dataset-kwargs", metavar="JSON", help="Keyword arguments for --dataset.")
+@click.option(
+    "--collate",
+    metavar="MODULE:NAME",
+    help="With --materialize: the run's collate_fn [default: torch's default_collate].",
+)
+@output_options
+def show_command(
+    root: str,
+    batch: int,
+    rank: int,
+    head: str | None,
+    materialize: bool,
+    dataset: str | None,
+    dataset_kwargs: str | None,
+    collate: str | None,
+    fmt: str,
+) -> None:
+    """The samples of batch BATCH of RANK in the lineage, and the batch's digest.
+
+    --materialize re-creates the batch from the dataset and prints its content digest,
+    which equals the recorded digest of the batch the training loop received.
+
+    Example:
+
+    \b
+        ledger show /runs/exp7 --batch 41
+        ledger show /runs/exp7 --batch 41 --rank 3 --format csv
+        ledger show /runs/exp7 --batch 41 --materialize \\
+            --dataset examples/train_lm.py:StdlibWindows --dataset-kwargs '{"seq_len": 64}'
+    """
+    if materialize and dataset is None:
+        raise click.UsageError("--materialize needs --dataset")
+    made = None
+    if materialize:
+        assert dataset is not None
+        ds = _load_object(dataset, dataset_kwargs)
+        collate_fn = _load_object(collate, None) if collate else None
+        made = materialize_batch(root, batch, ds, rank=rank, collate_fn=collate_fn, head=head)
+        record = made.record
+    else:
+        record = show(root, batch, rank, head)
+    columns = ["position", "sample_id", "kind", "token_start", "token_end", "length", "value"]
+    events = record.events.select(columns)
+    if fmt in ("json", "ndjson"):
+        out: dict[str, Any] = {
+            "rank": record.rank, "batch": record.batch, "epoch": record.epoch,
+            "worker": record.worker, "commit_id": record.commit_id,
+            "digest": record.digest, "events": events.to_pylist(),
+        }  # fmt: skip
+        if made is not None:
+            out["materialized_digest"] = made.digest
+            out["matches"] = made.matches
+        click.echo(json.dumps(out, indent=2 if fmt == "json" else None))
+    elif fmt == "csv":
+        _print_rows(columns, iter(zip(*events.to_pydict().values(), strict=True)), fmt)
+    else:
+        console = _console(sys.stdout)
+        console.print(
+            f"batch {record.batch} of rank {record.rank}: epoch {record.epoch}, worker "
+            f"{record.worker}, commit {record.commit_id}, {events.num_rows} events",
+            soft_wrap=True,
+        )
+        console.print(f"recorded digest:     {record.digest or '-'}", soft_wrap=True)
+        if made is not None:
+            verdict = "matches" if made.matches else "DIFFERS"
+            console.print(f"materialized digest: {made.digest} ({verdict})", soft_wrap=True)
+        table = Table(*columns)
+        for row in zip(*events.to_pydict().values(), strict=True):
+            table.add_row(*("" if v is None else str(v) for v in row))
+        console.print(table)
+    if made is not None and not made.matches:
+        sys.exit(CHECK_FAILED)
+
+
+@main.command("reconstruct")
+@click.argument("root")
+@click.option("--commit", required=True, metavar="COMMIT", help="The checkpoint's commit id.")
+@click.option(
+    "--out", required=True, type=click.Path(dir_okay=False), help="Parquet file to write."
+)
+def reconstruct_command(root: str, commit: str, out: str) -> None:
+    """Write exactly what the model at COMMIT saw, in order, to a Parquet file.
+
+    One row per sample handed to the training loop (per token span when packing), in
+    the order the loop received them (column ordinal), with epoch, batch, rank,
+    position, the commit that logged it, and the recorded draws (value).
+
+    Example:
+
+    \b
+        ledger reconstruct /runs/exp7 --commit 000000000040-0000 --out seen.parquet
+        duckdb -c "SELECT count(DISTINCT sample_id) FROM 'seen.parquet'"
+    """
+    with _progress("reading commits") as progress:
+        rows = reconstruct(root, commit, out, progress)
+    click.echo(f"wrote {rows} events of the lineage of {commit} to {out}")
+
+
+@main.command("verify")
+@click.argument("root")
+@output_options
+def verify_command(root: str, fmt: str) -> None:
+    """Check the integrity of the log at ROOT (exit status 3 if a check fails).
+
+    Markers parse; every parent exists and the chain has no loop; every segment exists
+    with its marker's size, SHA-256 and row count, reads as Parquet with the event
+    schema and holds only its own attempt and rank; no sample is consumed twice in an
+    epoch of the lineage. Orphan segments are reported.
+
+    Example:
+
+    \b
+        ledger verify /runs/exp7
+        ledger verify /runs/exp7 --format json
+    """
+    with _progress("hashing segments") as progress:
+        v = verify(root, progress)
+    _print_checks(v.results, fmt)
+    if fmt == "table":
+        click.echo(f"{v.segments} segments, {v.events} events, {v.bytes} bytes")
+    if not v.ok:
+        sys.exit(CHECK_FAILED)
+
+
+@main.command("report")
+@click.argument("root")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="HTML file to write.")
+@_head_option
+def report_command(root: str, out: str, head: str | None) -> None:
+    """Write a self-contained HTML report of the log at ROOT, with plots.
+
+    Coverage per epoch over batches, per-rank progress, duplicates over time and the
+    commit timeline with abandoned branches, and the summary's tables. The file has no
+    external references: open it anywhere, attach it to a ticket.
+
+    Example:
+
+    \b
+        ledger report /runs/exp7 --out report.html
+    """
+    from ledger.audit.report import write_report
+
+    path = write_report(root, out, head)
+    click.echo(f"wrote {path}")
+
+
+def _print_checks(results: Sequence[CheckResult], fmt: str) -> None:
+    columns = ["check", "ok", "detail"]
+    rows = [(r.check, r.ok, r.detail) for r in results]
+    if fmt != "table":
+        _print_rows(columns, iter(rows), fmt)
+        return
+    table = Table("check", "result", "detail")
+    for name, ok, detail in rows:
+        table.add_row(name, "pass" if ok else "FAIL", detail)
+    _console(sys.stdout).print(table)
 
 
 # ---------------------------------------------------------------- formatting
