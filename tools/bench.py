@@ -15,8 +15,12 @@ belong in a report, never in a test):
 3. Bytes per event on disk after one epoch with a commit every K batches, against the
    information content of a shuffled sample id, ``log2(N)/8`` bytes.
 
+4. With ``--audit`` instead: coverage and duplicates over a log of 10^8 events
+   (``tools/bench_audit.py``).
+
 Example:
     python tools/bench.py            # the full run (about 3-5 minutes on 2 cores)
+    python tools/bench.py --audit    # the audit of 10^8 events (about 2 minutes)
     python tools/bench.py --quick    # a smaller run (about 1 minute)
 """
 
@@ -28,6 +32,7 @@ import math
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -401,6 +406,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None]:
     p.add_argument("--commit-every", type=int, default=1000, help="batches between commits in 3")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tmpdir", help="where the log roots go (default: the system temp dir)")
+    p.add_argument(
+        "--audit",
+        action="store_true",
+        help="instead: audit a log of 10^8 events (tools/bench_audit.py; --root DIR after it)",
+    )
     a = p.parse_args(argv)
     cfg = Config(
         n=a.n or (200_000 if a.quick else 1_000_000),
@@ -416,6 +426,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--audit"]:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_audit import main as audit
+
+        audit(args[1:])
+        return
     cfg, tmpdir = parse_args(argv)
     console = Console()
     if console.width < 120:  # piped output: rich would wrap the tables at 80 columns

@@ -1,0 +1,381 @@
+"""``ledger audit --check``, ``where``, ``show``, ``reconstruct``, ``verify`` and
+``report`` through click's CliRunner, with exact expected output on the fixed log of
+``logfactory.example_log`` (and, for ``--materialize``, a log a real loader wrote)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from conftest import Augmented
+from logfactory import example_log
+
+import ledger
+from ledger.cli import CHECK_FAILED, main
+from ledger.digest import batch_digest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> str:
+    example_log(tmp_path / "log")
+    return str(tmp_path / "log")
+
+
+def run(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args))
+
+
+# ---------------------------------------------------------------- audit --check
+
+
+def test_checks_table_and_exit_status(root: str) -> None:
+    result = run("audit", root, "--check", "all")
+    assert result.exit_code == CHECK_FAILED, result.output
+    assert result.stdout == (
+        "┏━━━━━━━━━━━━┳━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┓\n"
+        "┃ check      ┃ result ┃ detail                                                 ┃\n"
+        "┡━━━━━━━━━━━━╇━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┩\n"
+        "│ coverage   │ FAIL   │ epoch 1: 1 samples neither consumed nor skipped        │\n"
+        "│ duplicates │ FAIL   │ duplicate consumptions: epoch 1: 1                     │\n"
+        "│ skips      │ pass   │ 2 samples skipped, at most 2 per epoch                 │\n"
+        "│ abandoned  │ FAIL   │ 1 commits off the lineage hold 3 samples; 1 orphan     │\n"
+        "│            │        │ segments                                               │\n"
+        "│            │        │ (events/attempt=0/rank=0/seg-000000000006.parquet ...) │\n"
+        "│ progress   │ pass   │ 1 ranks at epoch 2, batch 7; none went back            │\n"
+        "│ skew       │ pass   │ one rank: no skew                                      │\n"
+        "└────────────┴────────┴────────────────────────────────────────────────────────┘\n"
+    )
+
+
+def test_passing_checks_exit_0_and_csv(root: str) -> None:
+    result = run("audit", root, "--check", "skips", "--check", "progress", "--format", "csv")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == (
+        "check,ok,detail\n"
+        'skips,True,"2 samples skipped, at most 2 per epoch"\n'
+        'progress,True,"1 ranks at epoch 2, batch 7; none went back"\n'
+    )
+
+
+def test_checks_on_an_older_head(root: str) -> None:
+    # The lineage of 000000000004-0000: epoch 0 complete, epoch 1 begun, no duplicate yet.
+    result = run(
+        "audit", root, "--head", "000000000004-0000", "--check", "coverage",
+        "--check", "duplicates", "--format", "json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == [
+        {
+            "check": "coverage",
+            "ok": True,
+            "detail": "1 finished epochs cover all 10 samples; epoch 1 at 30.00%",
+        },
+        {"check": "duplicates", "ok": True, "detail": "no sample consumed twice in 2 epochs"},
+    ]
+
+
+def test_check_and_sql_exclude_each_other(root: str) -> None:
+    result = run("audit", root, "--check", "coverage", "--sql", "SELECT 1")
+    assert result.exit_code == 2
+    assert "--check and --sql cannot be combined" in result.stderr
+
+
+def test_skew_limit(root: str) -> None:
+    result = run("audit", root, "--check", "skew", "--max-skew", "0", "--format", "ndjson")
+    assert result.exit_code == 0
+    assert result.stdout == '{"check": "skew", "ok": true, "detail": "one rank: no skew"}\n'
+
+
+# ---------------------------------------------------------------- where
+
+
+def test_where_table(root: str) -> None:
+    result = run("where", root, "--sample", "5")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == (
+        "sample 5: 3 consumptions, 3 in the lineage of 000000000007-0002\n"
+        "┏━━━━━━━━━┳━━━━━━┳━━━━━━━┳━━━━━━━┳━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━┓\n"
+        "┃ attempt ┃ rank ┃ epoch ┃ batch ┃ position ┃ commit            ┃ lineage ┃\n"
+        "┡━━━━━━━━━╇━━━━━━╇━━━━━━━╇━━━━━━━╇━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━┩\n"
+        "│ 0       │ 0    │ 0     │ 1     │ 5        │ 000000000002-0000 │ yes     │\n"
+        "│ 0       │ 0    │ 1     │ 3     │ 0        │ 000000000004-0000 │ yes     │\n"
+        "│ 1       │ 0    │ 1     │ 5     │ 7        │ 000000000006-0001 │ yes     │\n"
+        "└─────────┴──────┴───────┴───────┴──────────┴───────────────────┴─────────┘\n"
+        "commits whose model saw it: 6\n"
+        "000000000002-0000, 000000000004-0000, 000000000005-0000, 000000000006-0001, "
+        "000000000007-0001, 000000000007-0002\n"
+    )
+
+
+def test_where_json_matches_the_rows_written(root: str, tmp_path: Path) -> None:
+    """Ground truth: every committed row of sample 1, and the commits downstream of them."""
+    factory = example_log(tmp_path / "again")
+    result = run("where", str(factory.root), "--sample", "1", "--format", "json")
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.stdout)
+    expected = sorted(
+        (cid, row[0], row[4], row[5])
+        for cid, rows in factory.committed.items()
+        for row in rows
+        if row[6] == 1 and row[7] == "sample"
+    )
+    assert (
+        sorted(
+            (c["commit_id"], c["attempt"], c["batch"], c["position"]) for c in got["consumptions"]
+        )
+        == expected
+    )
+    # 1 is in batch 0 (commit 2-0000) and batch 4 of both branches: every commit saw it.
+    assert got["commits"] == [
+        "000000000002-0000", "000000000004-0000", "000000000005-0000",
+        "000000000006-0001", "000000000007-0001", "000000000007-0002",
+    ]  # fmt: skip
+    lineage = {c["commit_id"]: c["in_lineage"] for c in got["consumptions"]}
+    assert lineage["000000000005-0000"] is False and lineage["000000000006-0001"] is True
+
+
+def test_where_a_sample_only_an_abandoned_model_saw(tmp_path: Path) -> None:
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(Augmented(12), batch_size=3, shuffle=True, seed=4, log=root)
+    it = iter(loader)
+    next(it)
+    token = loader.state_dict()
+    lost = next(it)["id"].tolist()
+    loader.state_dict()  # commits batch 1, then the run resumes from batch 0's token
+    resumed = ledger.DataLoader(Augmented(12), batch_size=3, shuffle=True, seed=4, log=root)
+    resumed.load_state_dict(token)
+    redo = next(iter(resumed))["id"].tolist()
+    assert redo == lost
+    resumed.state_dict()
+    got = json.loads(run("where", root, "--sample", str(lost[0]), "--format", "json").stdout)
+    assert [(c["attempt"], c["in_lineage"]) for c in got["consumptions"]] == [
+        (0, False),
+        (1, True),
+    ]
+    assert got["commits"] == ["000000000002-0000", "000000000002-0001"]
+
+
+def test_where_an_unknown_sample(root: str) -> None:
+    result = run("where", root, "--sample", "99")
+    assert result.exit_code == 0
+    assert result.stdout == (
+        "sample 99: 0 consumptions, 0 in the lineage of 000000000007-0002\n"
+        "commits whose model saw it: 0\n"
+    )
+
+
+# ---------------------------------------------------------------- show
+
+
+def test_show_table(root: str) -> None:
+    result = run("show", root, "--batch", "5")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == (
+        "batch 5 of rank 0: epoch 1, worker 1, commit 000000000006-0001, 3 events\n"
+        "recorded digest:     -\n"
+        "┏━━━━━━━━━━┳━━━━━━━━━━━┳━━━━━━━━┳━━━━━━━━━━━━━┳━━━━━━━━━━━┳━━━━━━━━┳━━━━━━━┓\n"
+        "┃ position ┃ sample_id ┃ kind   ┃ token_start ┃ token_end ┃ length ┃ value ┃\n"
+        "┡━━━━━━━━━━╇━━━━━━━━━━━╇━━━━━━━━╇━━━━━━━━━━━━━╇━━━━━━━━━━━╇━━━━━━━━╇━━━━━━━┩\n"
+        "│ 6        │ 7         │ sample │             │           │        │       │\n"
+        "│ 7        │ 5         │ sample │             │           │        │       │\n"
+        "│ 8        │ 3         │ sample │             │           │        │       │\n"
+        "└──────────┴───────────┴────────┴─────────────┴───────────┴────────┴───────┘\n"
+    )
+
+
+def test_show_takes_the_batch_from_the_lineage(root: str) -> None:
+    # Batch 4 exists on both branches (same samples); the head's lineage is attempt 1's.
+    lineage = json.loads(run("show", root, "--batch", "4", "--format", "json").stdout)
+    old = json.loads(
+        run("show", root, "--batch", "4", "--head", "000000000005-0000", "--format", "json").stdout
+    )
+    assert lineage["commit_id"] == "000000000006-0001"
+    assert old["commit_id"] == "000000000005-0000"
+    assert [e["sample_id"] for e in lineage["events"]] == [2, 9, 1]
+
+
+def test_show_a_batch_not_in_the_lineage(root: str) -> None:
+    result = run("show", root, "--batch", "7")
+    assert result.exit_code == 1
+    assert result.stderr == (
+        f"Error: the lineage of the default head in {root} holds no batch 7 of rank 0: it "
+        "was not reached, or not committed\n"
+    )
+
+
+def test_show_materialize_reproduces_the_recorded_digest(tmp_path: Path) -> None:
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=3, log=root)
+    received = list(loader)
+    loader.state_dict()
+    conftest = str(Path(__file__).with_name("conftest.py"))
+    result = run(
+        "show", root, "--batch", "2", "--materialize", "--dataset", f"{conftest}:Augmented",
+        "--dataset-kwargs", '{"n": 20}', "--format", "json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.stdout)
+    digest = batch_digest(received[2])
+    assert got["digest"] == got["materialized_digest"] == digest
+    assert got["matches"] is True
+    assert [e["sample_id"] for e in got["events"]] == received[2]["id"].tolist()
+    table = run(
+        "show", root, "--batch", "2", "--materialize", "--dataset", f"{conftest}:Augmented",
+        "--dataset-kwargs", '{"n": 20}',
+    )  # fmt: skip
+    assert table.stdout.splitlines()[1:3] == [
+        f"recorded digest:     {digest}",
+        f"materialized digest: {digest} (matches)",
+    ]
+
+
+class Shifted(Augmented):
+    """Another dataset of the same length: materialising with it must be detected."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(i)
+        item["x"] = item["x"] + 1
+        return item
+
+
+def test_show_materialize_detects_another_dataset(tmp_path: Path) -> None:
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(Augmented(20), batch_size=4, log=root)
+    list(loader)
+    loader.state_dict()
+    result = run(
+        "show", root, "--batch", "0", "--materialize", "--dataset",
+        f"{__file__}:Shifted", "--dataset-kwargs", '{"n": 20}',
+    )  # fmt: skip
+    assert result.exit_code == CHECK_FAILED
+    assert "(DIFFERS)" in result.stdout.splitlines()[2]
+
+
+def test_show_materialize_needs_a_dataset(root: str) -> None:
+    result = run("show", root, "--batch", "0", "--materialize")
+    assert result.exit_code == 2
+    assert "--materialize needs --dataset" in result.stderr
+
+
+# ---------------------------------------------------------------- reconstruct
+
+
+def test_reconstruct_writes_the_lineage_in_order(root: str, tmp_path: Path) -> None:
+    out = tmp_path / "seen.parquet"
+    result = run("reconstruct", root, "--commit", "000000000006-0001", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert result.stdout == (f"wrote 18 events of the lineage of 000000000006-0001 to {out}\n")
+    factory_rows = example_log(tmp_path / "truth").committed
+    expected = [
+        (row[4], row[6])
+        for cid in ("000000000002-0000", "000000000004-0000", "000000000006-0001")
+        for row in factory_rows[cid]
+        if row[7] == "sample"
+    ]
+    table = pq.read_table(out)
+    assert list(zip(table["batch"].to_pylist(), table["sample_id"].to_pylist(), strict=True)) == (
+        expected
+    )
+    assert table["ordinal"].to_pylist() == list(range(18))
+    assert set(table["commit_id"].to_pylist()) == {
+        "000000000002-0000", "000000000004-0000", "000000000006-0001",
+    }  # fmt: skip
+
+
+def test_reconstruct_an_unknown_commit(root: str, tmp_path: Path) -> None:
+    result = run("reconstruct", root, "--commit", "000000000099-0000", "--out", str(tmp_path / "x"))
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: ") and "000000000099-0000" in result.stderr
+
+
+# ---------------------------------------------------------------- verify
+
+
+def test_verify_table(root: str) -> None:
+    result = run("verify", root)
+    assert result.exit_code == CHECK_FAILED  # the example lineage repeats a sample
+    assert result.stdout == (
+        "┏━━━━━━━━━━━━┳━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┓\n"
+        "┃ check      ┃ result ┃ detail                                                 ┃\n"
+        "┡━━━━━━━━━━━━╇━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┩\n"
+        "│ markers    │ pass   │ 6 commit markers parse                                 │\n"
+        "│ chain      │ pass   │ every parent exists, steps never go back               │\n"
+        "│ segments   │ pass   │ 5 segments match their markers (26 events)             │\n"
+        "│ duplicates │ FAIL   │ epoch 1: 1 duplicates                                  │\n"
+        "│ orphans    │ pass   │ 1 orphan segments, ignored by replay                   │\n"
+        "│            │        │ (events/attempt=0/rank=0/seg-000000000006.parquet ...) │\n"
+        "└────────────┴────────┴────────────────────────────────────────────────────────┘\n"
+        f"5 segments, 26 events, {_size(root)} bytes\n"
+    )
+
+
+def _size(root: str) -> int:
+    return sum(
+        s["bytes"]
+        for p in sorted(Path(root, "commits").glob("*.json"))
+        for s in json.loads(p.read_text())["segments"]
+    )
+
+
+def test_verify_a_clean_log_and_a_tampered_one(tmp_path: Path) -> None:
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(Augmented(12), batch_size=3, shuffle=True, log=root)
+    for i, _ in enumerate(loader):
+        if i % 2:
+            loader.state_dict()
+    loader.state_dict()
+    result = run("verify", root, "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert [r["ok"] for r in json.loads(result.stdout)] == [True] * 5
+    segment = sorted(Path(root, "events").rglob("*.parquet"))[0]
+    data = bytearray(segment.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    result = run("verify", root, "--format", "json")
+    assert result.exit_code == CHECK_FAILED
+    got = {r["check"]: r for r in json.loads(result.stdout)}
+    assert got["segments"]["ok"] is False
+    assert "has another SHA-256 than its marker" in got["segments"]["detail"]
+    assert got["duplicates"] == {
+        "check": "duplicates", "ok": False, "detail": "not checked: the log is damaged",
+    }  # fmt: skip
+
+
+def test_verify_finds_a_broken_chain(root: str) -> None:
+    Path(root, "commits", "000000000004-0000.json").unlink()
+    result = run("verify", root, "--format", "json")
+    assert result.exit_code == CHECK_FAILED
+    chain = json.loads(result.stdout)[1]
+    assert chain["check"] == "chain" and chain["ok"] is False
+    assert "000000000005-0000: parent 000000000004-0000 is missing" in chain["detail"]
+
+
+# ---------------------------------------------------------------- report
+
+
+def test_report_writes_a_page(root: str, tmp_path: Path) -> None:
+    out = tmp_path / "report.html"
+    result = run("report", root, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"wrote {out}\n"
+    assert out.read_text().lstrip().lower().startswith("<!doctype html>")
+
+
+# ---------------------------------------------------------------- docs
+
+
+def test_every_command_is_documented_in_the_readme() -> None:
+    readme = README.read_text()
+    for name in main.commands:
+        assert re.search(rf"`ledger {name}\b", readme), f"`ledger {name}` not in README.md"
+        help_text = main.commands[name].help or ""
+        assert "Example:" in help_text, f"ledger {name} --help has no example"
+    for check in ("coverage", "duplicates", "skips", "abandoned", "progress", "skew"):
+        assert f"`{check}`" in readme, f"check {check} not in README.md"
