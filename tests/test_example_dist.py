@@ -130,7 +130,7 @@ def test_elastic_two_one_two_ranks_consume_each_epoch_once(tmp_path: Path, refer
         ((1, 1, 40), (2, 2, 160)),
         ((2, 2, 96),),
     ]
-    assert demo.audit(root / "log")[0] == 0
+    assert demo.ledger_cli("audit", str(root / "log"))[0] == 0
 
 
 def test_check_exactly_once_reports_duplicates_and_partial_epochs(tmp_path: Path) -> None:

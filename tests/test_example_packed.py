@@ -118,7 +118,7 @@ def test_sigkill_and_resume_is_exact(
     assert epochs == sorted(epochs) and len(set(epochs)) >= 2, "the run must cross an epoch"
     assert demo.count_differences(ref, eff) == 0
     assert demo.weights_diff(clean / "final.pt", crash / "final.pt") == []
-    assert demo.audit(crash / "log")[0] == 0
+    assert demo.ledger_cli("audit", str(crash / "log"))[0] == 0
 
 
 def test_make_shards_contiguous_unequal_short_final(tmp_path: Path) -> None:

@@ -159,16 +159,21 @@ def weights_diff(path_a: Path, path_b: Path) -> list[str]:
     return [n for n in names if n not in a or n not in b or not torch.equal(a[n], b[n])]
 
 
-def audit(log_root: Path) -> tuple[int, str]:
-    """``ledger audit LOG_ROOT``: its exit status and output."""
+def ledger_cli(*args: str) -> tuple[int, str]:
+    """``ledger ARGS...``: its exit status and output."""
     proc = subprocess.run(
-        [sys.executable, "-m", "ledger.cli", "audit", str(log_root)],
+        [sys.executable, "-m", "ledger.cli", *args],
         capture_output=True,
         text=True,
         env=child_env(),
         cwd=REPO,
     )
     return proc.returncode, (proc.stdout + proc.stderr).rstrip()
+
+
+# Checks a resumed run must pass ('abandoned' fails by design after a crash: it reports
+# the batches the killed process consumed and never committed).
+CHECKS = ("coverage", "duplicates", "skips", "progress", "skew")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -224,6 +229,7 @@ def run_pipeline(
     train_args: list[str],
     steps: int,
     kill_at: int,
+    materialize: list[str] | None = None,
 ) -> list[str]:
     """Uninterrupted run, SIGKILL at ``kill_at``, ``--resume``; compare, print, audit.
 
@@ -235,6 +241,8 @@ def run_pipeline(
         train_args: the script's arguments, ``--root`` and ``--stream-out`` excepted.
         steps: the ``--steps`` in ``train_args``.
         kill_at: the step (0-based) at which the second run is killed.
+        materialize: ``ledger show --materialize`` options naming the dataset, to
+            re-create the last committed batch and compare its digest; ``None``: skip.
 
     Returns:
         What failed, one sentence each; empty if the resumed run matched.
@@ -296,11 +304,23 @@ def run_pipeline(
     table.add_row("wall time", f"{elapsed:.1f} s")
     console.print(table)
 
-    console.rule(f"ledger audit {crash / 'log'}", style="dim")
-    rc_audit, out = audit(crash / "log")
-    console.print(out, markup=False)
-    if rc_audit != 0:
-        failures.append(f"{name}: ledger audit exited with {rc_audit}")
+    log = str(crash / "log")
+    commands = [
+        ["audit", log],
+        ["audit", log, *(arg for c in CHECKS for arg in ("--check", c))],
+    ]
+    if materialize is not None:  # the last committed batch, re-created from the dataset
+        rc, last = ledger_cli(
+            "audit", log, "--format", "csv", "--sql", "SELECT max(batch) FROM lineage"
+        )
+        batch = last.splitlines()[-1] if rc == 0 else "0"
+        commands.append(["show", log, "--batch", batch, "--materialize", *materialize])
+    for command in commands:
+        console.rule(f"ledger {' '.join(command)}", style="dim")
+        rc, out = ledger_cli(*command)
+        console.print(out, markup=False, soft_wrap=True)
+        if rc != 0:
+            failures.append(f"{name}: ledger {command[0]} exited with {rc}")
     if n_diff:
         failures.append(f"{name}: {n_diff} positions of the batch stream differ")
     if bad_weights:
@@ -333,6 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         map_args += ["--max-files", str(args.max_files)]
     if args.max_samples:
         map_args += ["--max-samples", str(args.max_samples)]
+    dataset_kwargs = {
+        "seq_len": args.seq_len, "max_files": args.max_files,
+        "max_samples": args.max_samples or None,
+    }  # fmt: skip
+    materialize_args = [
+        "--dataset", f"{TRAIN}:StdlibWindows", "--dataset-kwargs", json.dumps(dataset_kwargs)
+    ]  # fmt: skip
     packed_args = [
         "--steps", str(args.packed_steps),
         "--batch-size", str(args.packed_batch_size),
@@ -383,7 +410,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             train_args = [*train_args, "--shards-dir", str(shards_dir)]
         title = f"{name} pipeline: {script.name}"
-        failures += run_pipeline(console, title, script, workdir / name, train_args, steps, kill_at)
+        failures += run_pipeline(
+            console, title, script, workdir / name, train_args, steps, kill_at,
+            materialize_args if name == "map" else None,
+        )  # fmt: skip
 
     console.rule()
     for f in failures:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 _TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(_TOOLS))  # tools/ is not a package
-from demo import REPO, RESUMED_RE, STEP_RE, TRAIN, audit, child_env  # noqa: E402
+from demo import REPO, RESUMED_RE, STEP_RE, TRAIN, child_env, ledger_cli  # noqa: E402
 
 
 def free_port() -> int:
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log = root / "log"
     console.rule(f"ledger audit {log}", style="dim")
-    rc_audit, out = audit(log)
+    rc_audit, out = ledger_cli("audit", str(log))
     console.print(out, markup=False)
     if rc_audit != 0:
         failures.append(f"ledger audit exited with {rc_audit}")
