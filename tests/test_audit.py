@@ -245,9 +245,9 @@ def test_summary_of_the_default_head(log: LogFactory) -> None:
         commits=6,
         head="000000000007-0002",
         epochs=(
-            EpochSummary(0, samples=9, distinct=9, coverage=0.9, duplicates=0, skipped=1),
-            EpochSummary(1, samples=9, distinct=8, coverage=0.8, duplicates=1, skipped=1),
-            EpochSummary(2, samples=3, distinct=3, coverage=0.3, duplicates=0, skipped=0),
+            EpochSummary(0, 9, 9, 0.9, duplicates=0, skipped=1, skipped_distinct=1, covered=10),
+            EpochSummary(1, 9, 8, 0.8, duplicates=1, skipped=1, skipped_distinct=1, covered=9),
+            EpochSummary(2, 3, 3, 0.3, duplicates=0, skipped=0, skipped_distinct=0, covered=3),
         ),
         abandoned_commits=1,
         abandoned_samples=3,
@@ -276,8 +276,8 @@ def test_summary_of_an_abandoned_head(log: LogFactory) -> None:
     s = summarize(str(log.root), head=ABANDONED)
     assert s.head == ABANDONED
     assert s.epochs == (
-        EpochSummary(0, samples=9, distinct=9, coverage=0.9, duplicates=0, skipped=1),
-        EpochSummary(1, samples=6, distinct=6, coverage=0.6, duplicates=0, skipped=0),
+        EpochSummary(0, 9, 9, 0.9, duplicates=0, skipped=1, skipped_distinct=1, covered=10),
+        EpochSummary(1, 6, 6, 0.6, duplicates=0, skipped=0, skipped_distinct=0, covered=6),
     )
     assert (s.abandoned_commits, s.abandoned_samples) == (3, 9)
     assert s.last_position == Position(1, 5)

@@ -7,6 +7,7 @@ Example:
     >>> summarize("/runs/exp7").epochs[0].coverage
 """
 
+from ledger.audit.report import write_report
 from ledger.audit.summary import AttemptSummary, EpochSummary, Position, Summary, summarize
 from ledger.audit.views import VIEWS, connect
 
@@ -18,4 +19,5 @@ __all__ = [
     "Summary",
     "connect",
     "summarize",
+    "write_report",
 ]

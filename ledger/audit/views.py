@@ -223,6 +223,7 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     for setting in (
         "autoinstall_known_extensions=false",
         "autoload_known_extensions=false",
+        "enable_progress_bar=false",  # a long query would draw on the user's terminal
         "enable_external_access=false",
         "lock_configuration=true",
     ):
