@@ -96,10 +96,11 @@ class ScanResult:
 class _Ids:
     """The ids of one epoch: a byte per possible id, or (for huge ranges) a list to sort."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, bitmap: bool = True) -> None:
         self.size = size
-        # A byte per id: numpy has no bit-level scatter, and bytes keep it one pass.
-        self.bitmap = np.zeros(size, np.bool_) if size <= _MAX_BITMAP else None
+        # A byte per id: numpy has no bit-level scatter, and bytes keep it one pass. Few
+        # ids (the skips of an epoch) are kept as arrays instead: no 'size' bytes to touch.
+        self.bitmap = np.zeros(size, np.bool_) if bitmap and size <= _MAX_BITMAP else None
         self.parts: list[np.ndarray] = []
 
     def add(self, ids: np.ndarray, where: str) -> None:
@@ -127,8 +128,9 @@ class _Ids:
 
     def union_count(self, other: _Ids) -> int:
         """Distinct ids in this set or ``other`` (of the same size)."""
-        if self.bitmap is not None and other.bitmap is not None:
-            return int(np.count_nonzero(self.bitmap | other.bitmap))
+        if self.bitmap is not None and other.bitmap is None:
+            extra = other._unique()
+            return self.count() + int(np.count_nonzero(~self.bitmap[extra]))
         return int(np.union1d(self._unique(), other._unique()).size)
 
     def _unique(self) -> np.ndarray:
@@ -226,7 +228,7 @@ def scan(
                 continue
             counts = result.epochs.setdefault(e, EpochCounts(e))
             if e not in ids:
-                ids[e] = (_Ids(dataset_len), _Ids(dataset_len))
+                ids[e] = (_Ids(dataset_len), _Ids(dataset_len, bitmap=False))
             seen, skips = ids[e]
             counts.samples += used.size
             samples[i] += used.size
