@@ -7,6 +7,7 @@ with ledger's own segment encoder and commit markers. Then it times, in one proc
 
 1. the scan behind coverage and duplicates (:func:`ledger.audit.scan.scan`): per-epoch
    distinct ids over the lineage;
+   (best of 3 in one process, and the first of them);
 2. the whole summary (:func:`ledger.audit.summarize`), and the CLI
    ``ledger audit ROOT --check coverage --check duplicates`` as a subprocess (imports
    included);
@@ -120,9 +121,12 @@ def measure(root: str, console: Console) -> Table:
     events = sum(s.rows for c in chain for s in c.segments)
     paths = [store.full(s.path) for c in chain for s in c.segments]
 
-    t = time.perf_counter()
-    counted = scan(store, chain, dataset_len=N)
-    t_scan = time.perf_counter() - t
+    times = []
+    for _ in range(3):  # the first pass in a process also faults in the bitmaps' pages
+        t = time.perf_counter()
+        counted = scan(store, chain, dataset_len=N)
+        times.append(time.perf_counter() - t)
+    t_first, t_scan = times[0], min(times)
     t = time.perf_counter()
     summary = summarize(root)
     t_summary = time.perf_counter() - t
@@ -149,7 +153,14 @@ def measure(root: str, console: Console) -> Table:
     table = Table(title=f"Audit of {events:,} events in {len(paths):,} segments ({root})")
     for col in ("measurement", "seconds", "vs naive SQL"):
         table.add_column(col)
-    table.add_row("coverage + duplicates: ledger scan", f"{t_scan:.2f}", f"{t_naive / t_scan:.1f}x")
+    table.add_row(
+        "coverage + duplicates: ledger scan, best of 3", f"{t_scan:.2f}", f"{t_naive / t_scan:.1f}x"
+    )
+    table.add_row(
+        "coverage + duplicates: ledger scan, first in the process",
+        f"{t_first:.2f}",
+        f"{t_naive / t_first:.1f}x",
+    )
     table.add_row("whole summary (summarize)", f"{t_summary:.2f}", f"{t_naive / t_summary:.1f}x")
     table.add_row(
         "`ledger audit --check coverage --check duplicates` (process)",
