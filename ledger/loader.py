@@ -421,7 +421,8 @@ class DataLoader:
                 if meta.digest is None:
                     self._ledger.append(chunk)
                 else:
-                    digest = batch_event(chunk.epoch, chunk.batch, chunk.worker, meta.digest)
+                    first = int(chunk.positions[0]) if chunk.positions is not None else 0
+                    digest = batch_event(chunk.epoch, chunk.batch, chunk.worker, first, meta.digest)
                     self._ledger.append(chunk, digest)
                 self._state = state
                 yield data
@@ -461,7 +462,7 @@ class DataLoader:
         if digest is None:
             log.append(chunk)
         else:
-            log.append(chunk, batch_event(req.epoch, req.batch, worker, digest))
+            log.append(chunk, batch_event(req.epoch, req.batch, worker, req.position, digest))
         plan = self._plan_at(self._state)
         state = advance(self._state, plan)
         if state.epoch != req.epoch and plan.rank == 0 and plan.consumed_per_epoch < plan.n:

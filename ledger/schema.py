@@ -65,7 +65,7 @@ EVENT_SCHEMA = pa.schema(
   ``[token_start, token_end)`` of a sample packed into a sequence of the batch),
   ``'buffer'`` (a sample in a shuffle buffer at the commit) or ``'batch'`` (one per
   batch, after its samples: ``value`` is the batch's content digest,
-  :func:`ledger.digest.batch_digest`; ``position`` is ``-1``).
+  :func:`ledger.digest.batch_digest`; ``position`` is its first sample's).
 - ``token_start``, ``token_end`` int64: the span's tokens (``span`` only, else null).
 - ``length`` int64: the sample's length in tokens, EOS included (``span`` only).
 - ``value`` string: JSON of the draws the transform recorded with ``ctx.record``, on the
@@ -107,9 +107,16 @@ class EventChunk:
         return int(self.sample_ids.shape[0])
 
 
-def batch_event(epoch: int, batch: int, worker: int, digest: str) -> EventChunk:
-    """The ``batch`` event recording the content digest of one batch."""
-    return EventChunk(BATCH, epoch, batch, worker, -1, np.array([-1], np.int64), values=[digest])
+def batch_event(epoch: int, batch: int, worker: int, position: int, digest: str) -> EventChunk:
+    """The ``batch`` event recording the content digest of one batch.
+
+    ``position`` is the position of the batch's first sample: a value in the run of the
+    column's neighbours keeps its delta encoding narrow (an outlier such as -1 would
+    widen every value of its Parquet miniblock).
+    """
+    return EventChunk(
+        BATCH, epoch, batch, worker, position, np.array([-1], np.int64), values=[digest]
+    )
 
 
 def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Table:

@@ -166,6 +166,8 @@ def test_summary_json(root: str) -> None:
                 "coverage": 0.9,
                 "duplicates": 0,
                 "skipped": 1,
+                "skipped_distinct": 1,
+                "covered": 10,
             },
             {
                 "epoch": 1,
@@ -174,6 +176,8 @@ def test_summary_json(root: str) -> None:
                 "coverage": 0.8,
                 "duplicates": 1,
                 "skipped": 1,
+                "skipped_distinct": 1,
+                "covered": 9,
             },
             {
                 "epoch": 2,
@@ -182,6 +186,8 @@ def test_summary_json(root: str) -> None:
                 "coverage": 0.3,
                 "duplicates": 0,
                 "skipped": 0,
+                "skipped_distinct": 0,
+                "covered": 3,
             },
         ],
         "abandoned_commits": 1,

@@ -55,8 +55,8 @@ def test_collective_commits_and_same_shape_resume(tmp_path, nproc):
         assert sorted(s.rank for s in c.segments) == list(range(nproc))
         assert [s.rank for s in c.states] == list(range(nproc))
     # 3 batches of 4 per rank in the first commit (61 samples: every rank's batches are
-    # full until the last global step of the epoch)
-    assert [s.rows for s in commits[0].segments] == [12] * nproc
+    # full until the last global step of the epoch), each with its digest event
+    assert [s.rows for s in commits[0].segments] == [3 * 4 + 3] * nproc
     reference = streams(ref, nproc)
     for rank in range(1, nproc):
         assert reference[rank] != reference[0]  # ranks take different samples
