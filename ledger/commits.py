@@ -308,11 +308,31 @@ def marker_path(cid: str) -> str:
 def write_commit(store: Store, commit: Commit) -> None:
     """Create the marker of ``commit`` exclusively; only then are its segments history.
 
+    Idempotent: writing the same commit again (a retry after a lost reply) succeeds.
+
     Raises:
-        CommitConflict: if a marker with this id exists already.
-        StorageError: if the write fails; no marker exists afterwards.
+        CommitConflict: if a marker with this id and other contents exists already.
+        StorageError: if the write fails. On an object store the marker may exist all the
+            same (the reply was lost); :func:`marker_landed` tells, and a retry with the
+            same ``commit`` succeeds either way.
     """
     store.create_exclusive(marker_path(commit.id), commit.to_json())
+
+
+def marker_landed(store: Store, commit: Commit) -> bool:
+    """Whether the marker of ``commit`` exists with exactly this content.
+
+    After a failed :func:`write_commit` the marker may exist all the same (the server
+    stored it and the reply was lost): this tells the two apart. The content includes
+    ``created_at``, so another writer's marker with the same id never compares equal.
+
+    Raises:
+        StorageError: if the storage cannot be read.
+    """
+    try:
+        return store.read_bytes(marker_path(commit.id)) == commit.to_json()
+    except FileNotFoundError:
+        return False
 
 
 def read_commit(store: Store, cid: str) -> Commit:

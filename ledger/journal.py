@@ -6,7 +6,9 @@ batches died with the process). Each record is written with one ``write(2)`` of 
 bytes plus the batch's sample ids as raw little-endian ``int64`` bytes, so appending costs
 one syscall per batch and no Python object per sample. Records reach the OS page cache
 before the batch is handed to the training loop: they survive SIGKILL, but not a power
-loss (no fsync per batch).
+loss (no fsync per batch). The journal is always a local file, also for an object-store
+root (:func:`ledger.log.default_journal_dir`): the next attempt of the rank uploads it to
+``ROOT/journal/`` if it holds uncommitted batches.
 
 Record layout (msgpack arrays):
 

@@ -200,9 +200,9 @@ class DataLoader:
         batch_size: samples per batch on this rank (>= 1).
         shuffle: shuffle each epoch with the seeded order; ``False``: identity order.
         seed: seed of the orders and of the per-sample RNG seeds (int).
-        log: log root (a local path; object-store roots such as ``s3://`` are not
-            supported yet: committing to them raises ``StorageError``) or a
-            :class:`ledger.Ledger`.
+        log: log root (a local path or an object-store URI such as
+            ``s3://bucket/prefix``, see ``docs/object-storage.md``) or a
+            :class:`ledger.Ledger` (e.g. to choose its ``journal_dir``).
         num_workers, collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
         multiprocessing_context, prefetch_factor, persistent_workers: as for
             ``torch.utils.data.DataLoader``. ``drop_last=False`` serves a short final
@@ -218,7 +218,8 @@ class DataLoader:
             the model saw. Turn off for batches holding types it cannot hash.
         rank, world_size: this rank and the number of ranks (default: from
             ``torch.distributed`` if initialised, else 0 and 1).
-        storage_options: fsspec options when ``log`` is a URI.
+        storage_options: fsspec/s3fs options (credentials, endpoint, retries) when ``log``
+            is a URI; default: the standard AWS environment and config files.
 
     Raises:
         ValueError: if ``batch_size < 1`` or an epoch would hold no batch.

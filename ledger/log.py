@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
-import tempfile
+import warnings
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ledger.commits import (
@@ -15,6 +16,7 @@ from ledger.commits import (
     SegmentRef,
     claim_attempt,
     commit_id,
+    marker_landed,
     now_iso,
     open_run,
     read_commit,
@@ -22,10 +24,46 @@ from ledger.commits import (
 )
 from ledger.dist import Group
 from ledger.errors import CommitConflict, LedgerError, StorageError
-from ledger.journal import Journal, journal_path
+from ledger.journal import Journal, journal_path, read_journal
 from ledger.schema import EventChunk, chunks_to_table
 from ledger.segments import SegmentBuilder, encode, segment_path
 from ledger.store import Store, sha256
+
+
+def default_journal_dir() -> str:
+    """Local directory for the journals of remote roots: ``$LEDGER_JOURNAL_DIR``, else
+    ``$XDG_CACHE_HOME/ledger/journal`` (``~/.cache/ledger/journal``)."""
+    configured = os.environ.get("LEDGER_JOURNAL_DIR")
+    if configured:
+        return configured
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "ledger", "journal")
+
+
+@dataclass(slots=True)
+class _Inflight:
+    """A commit that was tried and failed, kept so that the next try repeats it exactly.
+
+    Retried unchanged (same segment bytes, same marker bytes) while nothing was appended
+    since; once the training loop has moved on, the marker is looked up: if it landed
+    after all (a lost reply), it becomes the head and the events it holds leave the
+    pending list, otherwise the next commit writes everything afresh.
+
+    Attributes:
+        step: the commit's step.
+        covered: entries of the pending list it holds.
+        state: this rank's state at the commit.
+        data: this rank's segment (Parquet bytes), ``None`` without events.
+        ref: the segment's reference, ``None`` without events.
+        marker: the marker tried (rank 0), ``None`` if the try failed before it.
+    """
+
+    step: int
+    covered: int
+    state: PipelineState
+    data: bytes | None
+    ref: SegmentRef | None
+    marker: Commit | None = None
 
 
 class Ledger:
@@ -35,14 +73,21 @@ class Ledger:
     immutable Parquet segment plus a commit marker at :meth:`commit`.
 
     Args:
-        root: log root: a local path. An fsspec URI (``s3://bucket/prefix``) is parsed,
-            but commits to object stores raise ``StorageError`` until exclusive creates
-            are built there.
+        root: log root: a local path or an object-store URI (``s3://bucket/prefix``;
+            the commit protocol there is described in ``docs/object-storage.md``).
         rank: this process's rank (0 without distributed).
         world_size: number of ranks.
-        storage_options: fsspec options (credentials, endpoint) for a remote root.
-        journal_dir: local directory for the journal; default: ``ROOT/journal`` for a
-            local root, a temporary directory otherwise.
+        storage_options: fsspec options (credentials, endpoint, retries) for a remote
+            root; see :func:`ledger.store.remote_options` for ledger's defaults.
+        journal_dir: local directory for the journal (its files go to
+            ``journal_dir/<root>/journal/attempt=A/rank=R.msgpack``); default:
+            ``ROOT/journal`` for a local root, :func:`default_journal_dir` for a remote
+            one, so appends stay local writes. A remote root's journals are uploaded to
+            ``ROOT/journal/`` by the next attempt of the same rank started on the same
+            host (crash forensics: what a killed process consumed after its last commit).
+        exclusive: how markers and attempt records are created exclusively on an object
+            store (:class:`ledger.store.Store`); default ``$LEDGER_EXCLUSIVE`` or
+            ``"auto"``.
         group: ``torch.distributed`` process group of the ranks sharing the log
             (default: the world group). With ``world_size > 1`` every rank must call
             :meth:`start` and :meth:`commit` together: they are collective.
@@ -59,9 +104,10 @@ class Ledger:
         world_size: int = 1,
         storage_options: dict[str, Any] | None = None,
         journal_dir: str | None = None,
+        exclusive: str | None = None,
         group: Any = None,
     ) -> None:
-        self.store = Store(os.fspath(root), storage_options)
+        self.store = Store(os.fspath(root), storage_options, exclusive=exclusive)
         self.rank = rank
         self.world_size = world_size
         self.group = Group(rank, world_size, group)
@@ -73,6 +119,7 @@ class Ledger:
         self._pending: list[EventChunk] = []
         self._builder: SegmentBuilder | None = None
         self._journal: Journal | None = None
+        self._inflight: _Inflight | None = None
 
     @property
     def root(self) -> str:
@@ -105,21 +152,56 @@ class Ledger:
         self.attempt = int(self.group.broadcast(attempt if self.rank == 0 else None))
         self.head = parent
         self._pending = []
+        self._inflight = None
         self._builder = SegmentBuilder(self.attempt, self.rank)
         if self._journal is not None:
             self._journal.close()
-        self._journal = Journal(self._journal_file(), self.attempt, self.rank)
+        self._upload_journals()
+        self._journal = Journal(self._journal_file(self.attempt), self.attempt, self.rank)
         self._journal.reset(parent.id if parent else None)
         return self.attempt
 
-    def _journal_file(self) -> str:
-        rel = journal_path(self.attempt or 0, self.rank)
-        if self._journal_dir is not None:
-            return os.path.join(self._journal_dir, self.store.path.strip("/"), rel)
+    def _journal_file(self, attempt: int) -> str:
+        rel = journal_path(attempt, self.rank)
+        base = self._journal_dir
         local = self.store.local_path(rel)
-        if local is not None:
+        if base is None and local is not None:
             return local
-        return os.path.join(tempfile.gettempdir(), "ledger-journal", self.store.path, rel)
+        where = self.store.path.strip("/")
+        if not self.store.is_local:
+            where = f"{self.store.protocol}/{where}"
+        return os.path.join(base or default_journal_dir(), where, rel)
+
+    def _upload_journals(self) -> None:
+        """Upload this rank's journals of earlier attempts from local disk to a remote root.
+
+        A journal holding batches past its last commit (a killed process's) is PUT to
+        ``ROOT/journal/attempt=A/rank=R.msgpack``, where audits read it; then, like one
+        holding nothing, it is removed from local disk. A failed upload leaves the local
+        file for the next start and warns.
+        """
+        if self.store.is_local:
+            return
+        current = self._journal_file(self.attempt or 0)
+        journals = os.path.dirname(os.path.dirname(current))
+        pattern = os.path.join(glob.escape(journals), "attempt=*", os.path.basename(current))
+        for path in sorted(glob.glob(pattern)):
+            if path == current:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+                header, chunks = read_journal(data)
+                if chunks:
+                    rel = journal_path(int(str(header["attempt"])), self.rank)
+                    self.store.write_atomic(rel, data)
+                os.unlink(path)
+            except (OSError, ValueError, LedgerError) as e:
+                warnings.warn(
+                    f"the journal {path} was not uploaded to {self.store.uri}: {e}; it stays "
+                    "on local disk and the next attempt tries again",
+                    stacklevel=3,
+                )
 
     def append(self, *chunks: EventChunk) -> None:
         """Record one batch's events: in memory until commit, and in the journal (one
@@ -145,32 +227,81 @@ class Ledger:
             The new (or unchanged) head commit.
 
         Raises:
-            StorageError: if a write fails. The pending events are kept and the next
-                commit writes them; a segment written before the failure stays as an
-                orphan (no marker names it; a retry at the same step overwrites it).
+            StorageError: if a write fails (after the store's retries). The pending
+                events are kept, nothing is lost or duplicated: a retry with no batch
+                appended since repeats the same PUTs byte for byte (the segment under the
+                same name, the same marker, which succeeds if the first try landed and
+                only its reply was lost); once batches were appended, the next commit
+                first looks for the failed marker, adopts it as the head if it landed,
+                and writes the remaining events (else all of them) at the new step.
             CommitConflict: if another writer created the same marker first.
 
         Note:
-            A crash after the segment and before the marker leaves an orphan segment,
-            which replay ignores and audits can report.
+            A failure or crash after the segment PUT and before the marker leaves an
+            orphan segment (no marker names it), which replay ignores and audits can
+            report; a retry at the same step overwrites it with the same bytes.
         """
         if self.attempt is None:
             raise LedgerError("Ledger.start() must be called before Ledger.commit()")
-        if not self.group.coordinated:
-            if not self._pending and self.head is not None and self.head.step == state.batch:
-                return self.head
-            segments = self._write_segment(state.batch, snapshot)
-            commit = self._marker(state.batch, segments, (state,))
-            write_commit(self.store, commit)
-            return self._committed(commit)
-        return self._commit_collective(state, snapshot)
+        if self._inflight is not None:
+            self._resolve_inflight(state)
+        if self.group.coordinated:
+            return self._commit_collective(state, snapshot)
+        if not self._pending and self.head is not None and self.head.step == state.batch:
+            return self.head
+        inflight = self._inflight or self._prepare(state, snapshot)
+        self._inflight = inflight
+        self._put_segment(inflight)
+        if inflight.marker is None:
+            segments = (inflight.ref,) if inflight.ref is not None else ()
+            inflight.marker = self._marker(state.batch, segments, (state,))
+        write_commit(self.store, inflight.marker)
+        return self._committed(inflight.marker)
+
+    def _resolve_inflight(self, state: PipelineState) -> None:
+        """Decide what becomes of the failed commit in :attr:`_inflight` (collective).
+
+        Nothing appended since, same state: keep it, the commit repeats it byte for byte.
+        Otherwise rank 0 looks for its marker: if it landed, it becomes the head and its
+        events leave the pending list; if not, it is dropped (its segment, if written,
+        stays as an orphan) and the commit writes all pending events afresh.
+        """
+        inflight = self._inflight
+        assert inflight is not None
+        same = (
+            inflight.step == state.batch
+            and inflight.covered == len(self._pending)
+            and inflight.state == state
+        )
+        if all(self.group.all_gather(same)):
+            return
+        verdict: dict[str, Any] = {"landed": None, "error": None}
+        if self.rank == 0 and inflight.marker is not None:
+            try:
+                if marker_landed(self.store, inflight.marker):
+                    verdict["landed"] = json.loads(inflight.marker.to_json())
+            except LedgerError as e:
+                verdict["error"] = str(e)
+        verdict = self.group.broadcast(verdict)
+        if verdict["error"]:
+            cid = commit_id(inflight.step, self.attempt or 0)
+            raise StorageError(
+                f"could not learn whether the failed commit {cid} landed: {verdict['error']}; "
+                "the events stay pending, retry"
+            )
+        self._inflight = None
+        if verdict["landed"] is not None:
+            self.head = Commit.from_dict(verdict["landed"])
+            self._pending = self._pending[inflight.covered :]
 
     def _commit_collective(self, state: PipelineState, snapshot: Sequence[EventChunk]) -> Commit:
         """Every rank writes its segment; rank 0 writes the marker once all exist."""
         mine: dict[str, Any] = {"state": asdict(state), "new": bool(self._pending), "error": None}
         try:
-            refs = self._write_segment(state.batch, snapshot)
-            mine["segment"] = asdict(refs[0]) if refs else None
+            inflight = self._inflight or self._prepare(state, snapshot)
+            self._inflight = inflight
+            self._put_segment(inflight)
+            mine["segment"] = asdict(inflight.ref) if inflight.ref is not None else None
         except LedgerError as e:  # the others must still take part in the collective
             mine["error"] = f"rank {self.rank}: {e}"
         everyone = self.group.all_gather(mine)
@@ -187,30 +318,32 @@ class Ledger:
             ):
                 decision = {"commit": None}
             else:
-                commit = self._marker(
-                    step,
-                    tuple(SegmentRef(**m["segment"]) for m in everyone if m["segment"]),
-                    tuple(PipelineState.from_dict(m["state"]) for m in everyone),
-                )
+                segments = tuple(SegmentRef(**m["segment"]) for m in everyone if m["segment"])
+                states = tuple(PipelineState.from_dict(m["state"]) for m in everyone)
+                assert self._inflight is not None
+                tried = self._inflight.marker
+                if tried is None or (tried.segments, tried.states) != (segments, states):
+                    tried = self._inflight.marker = self._marker(step, segments, states)
                 try:
-                    write_commit(self.store, commit)
-                    decision = {"commit": json.loads(commit.to_json())}
+                    write_commit(self.store, tried)
+                    decision = {"commit": json.loads(tried.to_json())}
                 except LedgerError as e:
                     decision = {"error": f"rank 0: {e}", "kind": type(e).__name__}
         decision = self.group.broadcast(decision)
         if decision.get("error"):
             cls = CommitConflict if decision.get("kind") == "CommitConflict" else StorageError
-            raise cls(f"the commit failed, no marker was written: {decision['error']}")
+            raise cls(f"the commit failed: {decision['error']}; the events stay pending")
         if decision["commit"] is None:
             assert self.head is not None
+            self._inflight = None
             return self.head
         return self._committed(Commit.from_dict(decision["commit"]))
 
-    def _write_segment(self, step: int, snapshot: Sequence[EventChunk]) -> tuple[SegmentRef, ...]:
-        """Encode and write this rank's pending events (plus ``snapshot``) as a segment."""
-        if not self._pending:
-            return ()
+    def _prepare(self, state: PipelineState, snapshot: Sequence[EventChunk]) -> _Inflight:
+        """Encode this rank's pending events (plus ``snapshot``) as the commit's segment."""
         assert self.attempt is not None
+        if not self._pending:
+            return _Inflight(state.batch, 0, state, None, None)
         builder, self._builder = self._builder, None
         try:
             if builder is not None:
@@ -222,10 +355,15 @@ class Ledger:
         chunks = [*self._pending, *snapshot]
         if not data:
             data = encode(chunks_to_table(chunks, self.attempt, self.rank))
-        rel = segment_path(self.attempt, self.rank, step)
-        self.store.write_atomic(rel, data)
+        rel = segment_path(self.attempt, self.rank, state.batch)
         rows = sum(c.rows for c in chunks)
-        return (SegmentRef(self.rank, rel, rows, len(data), sha256(data)),)
+        ref = SegmentRef(self.rank, rel, rows, len(data), sha256(data))
+        return _Inflight(state.batch, len(self._pending), state, data, ref)
+
+    def _put_segment(self, inflight: _Inflight) -> None:
+        """PUT the segment under its final name (again, with the same bytes, on a retry)."""
+        if inflight.ref is not None and inflight.data is not None:
+            self.store.write_atomic(inflight.ref.path, inflight.data)
 
     def _marker(
         self, step: int, segments: tuple[SegmentRef, ...], states: tuple[PipelineState, ...]
@@ -245,6 +383,7 @@ class Ledger:
     def _committed(self, commit: Commit) -> Commit:
         assert self.attempt is not None and self._journal is not None
         self.head = commit
+        self._inflight = None
         self._pending = []
         self._builder = SegmentBuilder(self.attempt, self.rank)
         self._journal.reset(commit.id)

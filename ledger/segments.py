@@ -31,6 +31,22 @@ def segment_path(attempt: int, rank: int, step: int) -> str:
     return f"events/attempt={attempt}/rank={rank}/seg-{step:012d}.parquet"
 
 
+def orphans(store: Store, named: set[str]) -> list[str]:
+    """Segment files that no commit marker names: orphans of a commit that failed or
+    crashed between the segment PUT and the marker.
+
+    Args:
+        store: the log root.
+        named: relative paths of the segments the markers name.
+
+    Returns:
+        Relative paths of the orphans, sorted. Replay never reads them (it finds segments
+        through the markers only); audits may report them.
+    """
+    found = store.glob("events/attempt=*/rank=*/seg-*.parquet")
+    return [rel for rel in found if rel not in named]
+
+
 def _writer(sink: pa.BufferOutputStream) -> pq.ParquetWriter:
     return pq.ParquetWriter(
         sink,

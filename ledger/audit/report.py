@@ -28,6 +28,7 @@ import duckdb
 
 from ledger.audit.summary import CONSUMED, Summary, summarize
 from ledger.audit.views import connect
+from ledger.segments import orphans
 from ledger.store import Store
 
 if TYPE_CHECKING:
@@ -238,8 +239,7 @@ def _rank_progress(
 def _orphans(root: str, con: duckdb.DuckDBPyConnection) -> list[str]:
     """Segment files under ``events/`` that no commit marker names (relative paths)."""
     named = {r[0] for r in con.execute("SELECT path FROM segments").fetchall()}
-    listed = Store(root).glob("events/attempt=*/rank=*/seg-*.parquet")
-    return [p for p in listed if p not in named]
+    return orphans(Store(root), named)
 
 
 # ---------------------------------------------------------------- plots (matplotlib)

@@ -58,7 +58,8 @@ commit it resumed from, NULL for a fresh start), world_size INTEGER, created_at 
 ``uncommitted``: events journaled by a rank and covered by no commit of its attempt:
 batches that reached a training loop after its last commit (a crashed attempt's lost
 work, or a live attempt's work in flight). Columns as ``events`` without ``commit_id``
-and ``step``; only ``'sample'`` events. Read from ``journal/`` (local roots).
+and ``step``; only ``'sample'`` events. Read from ``ROOT/journal/`` (for object-store roots: the
+journals a later attempt uploaded from local disk).
 
 ``run``: one row from ``run.json``: run_id VARCHAR, created_at TIMESTAMP (UTC),
 dataset_len BIGINT, seed BIGINT, shuffle BOOLEAN, batch_size BIGINT, drop_last BOOLEAN,
@@ -181,7 +182,8 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     here; segments are scanned lazily by each query.
 
     Args:
-        root: the log root (a local directory).
+        root: the log root (a local directory, or an object-store URI such as
+            ``s3://bucket/prefix``; credentials from the standard AWS environment).
         head: id of the head commit whose lineage the ``lineage`` view holds
             (``"000000000042-0001"``); ``None`` for the default head, the newest
             commit (largest step) of the newest attempt that has commits.
