@@ -450,3 +450,42 @@ def test_audit_of_an_s3_root_equals_the_audit_of_the_same_run_on_disk(s3, tmp_pa
     assert remote.output == on_disk.output
     assert remote.output.splitlines()[0] == "attempt,epoch,samples,ids"
     assert len(remote.output.splitlines()) == 3  # attempt 0 and attempt 1, epoch 0
+
+
+# ---------------------------------------------------------------------- ranks
+
+
+@pytest.mark.slow
+def test_two_ranks_on_s3_one_killed_between_segment_and_marker(s3, tmp_path):
+    """torchrun, 2 ranks, collective commits to S3: rank 1 is SIGKILLed after its segment
+    PUT of step 9, so no marker for step 9 exists; the resumed job's streams equal those of
+    a job that never stopped, and the audit reports the orphans and passes verify."""
+    from test_dist import TOTAL, streams, torchrun
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ref.mkdir()
+    run.mkdir()
+    assert torchrun(2, s3.new_root("dist-ref"), str(ref), str(TOTAL), port=29591) == 0
+    root = s3.new_root("dist")
+    rc = torchrun(2, root, str(run), str(TOTAL), "--die-after-segment", "9", port=29592)
+    assert rc != 0
+    store = Store(root)
+    assert [c.step for c in list_commits(store)] == [3, 6]
+    # rank 1's segment of step 9, and rank 0's if it was PUT before torchrun stopped it
+    left = orphans(store, _named(store))
+    seg9 = [f"events/attempt=0/rank={r}/seg-000000000009.parquet" for r in (0, 1)]
+    assert seg9[1] in left and set(left) <= set(seg9)
+    assert torchrun(2, root, str(run), str(TOTAL), "--resume", port=29593) == 0
+    assert streams(run, 2) == streams(ref, 2)
+    assert [c.id for c in list_commits(store)][-1] == "000000000012-0001"
+    runner = CliRunner()
+    checks = ["--check", "coverage", "--check", "duplicates", "--check", "skew"]
+    checked = runner.invoke(main, ["audit", root, *checks])
+    assert checked.exit_code == 0, checked.output
+    verified = runner.invoke(main, ["verify", root, "--format", "ndjson"])
+    assert verified.exit_code == 0, verified.output
+    rows = {r["check"]: r for r in map(json.loads, verified.output.splitlines())}
+    assert all(r["ok"] for r in rows.values())
+    assert rows["orphans"]["detail"] == (
+        f"{len(left)} orphan segments, ignored by replay ({left[0]} ...)"
+    )

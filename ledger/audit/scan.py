@@ -139,8 +139,7 @@ class _Ids:
         return np.unique(np.concatenate(self.parts)) if self.parts else np.zeros(0, np.int64)
 
 
-_SEGMENT = "segment"  # the index of a batch's segment in the scan, a partition column
-_SCHEMA = pa.schema([EVENT_SCHEMA.field(c) for c in _COLUMNS] + [pa.field(_SEGMENT, pa.int32())])
+_SCHEMA = pa.schema([EVENT_SCHEMA.field(c) for c in _COLUMNS])
 
 
 def _consumed(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
@@ -198,15 +197,22 @@ def scan(
     result = ScanResult(packed=packed)
     ids: dict[int, tuple[_Ids, _Ids]] = {}
     done = 0
-    # Arrow decodes several files at once on its own threads while this loop counts.
-    for batch in _dataset(store, [s.path for _, _, s in jobs]).to_batches(
-        columns=["epoch", "kind", "sample_id", _SEGMENT] + (["token_start"] if packed else []),
+    full = [store.full(s.path) for _, _, s in jobs]
+    index = {path: i for i, path in enumerate(full)}
+    if len(index) != len(full):
+        raise LogCorrupted("two markers name the same segment: the commit chain is damaged")
+    # Arrow decodes several files at once on its own threads while this loop counts. Each
+    # batch comes tagged with its file (a partition column would materialise an int per row).
+    scanner = _dataset(store, full).scanner(
+        columns=["epoch", "kind", "sample_id"] + (["token_start"] if packed else []),
         batch_readahead=16,
         fragment_readahead=threads or 4,
-    ):
+    )
+    for tagged in scanner.scan_batches():
+        batch = tagged.record_batch
         if batch.num_rows == 0:
             continue
-        i = batch.column(_SEGMENT)[0].as_py()
+        i = index[tagged.fragment.path]
         consumed, skipped = _consumed(batch)
         events[i] += batch.num_rows
         if progress is not None and i >= done:
@@ -266,14 +272,13 @@ def scan(
     return result
 
 
-def _dataset(store: Store, paths: list[str]) -> ds.Dataset:
-    """The segments at ``paths`` as one dataset; column ``segment`` is the path's index."""
+def _dataset(store: Store, full_paths: list[str]) -> ds.Dataset:
+    """The segments at ``full_paths`` (:meth:`Store.full` paths) as one dataset."""
     return ds.FileSystemDataset.from_paths(
-        [store.full(p) for p in paths],
+        full_paths,
         schema=_SCHEMA,
         format=ds.ParquetFileFormat(),
         filesystem=arrow_filesystem(store),
-        partitions=[ds.field(_SEGMENT) == i for i in range(len(paths))],
     )
 
 
@@ -281,7 +286,7 @@ def last_position(store: Store, paths: list[str], epoch: int, packed: bool) -> i
     """Largest position of a consumed event of ``epoch`` in the segments at ``paths``."""
     columns = ["epoch", "kind", "position"] + (["token_start"] if packed else [])
     best: int | None = None
-    for batch in _dataset(store, paths).to_batches(
+    for batch in _dataset(store, [store.full(p) for p in paths]).to_batches(
         columns=columns, filter=pc.field("epoch") == epoch
     ):
         consumed, _ = _consumed(batch)
