@@ -49,9 +49,15 @@ def batch_digest(batch: Any) -> str:
 
 def _update(h: Any, x: Any) -> None:
     if isinstance(x, torch.Tensor):
-        t = x.detach().to("cpu").contiguous()
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        try:  # the same bytes either way; the first costs fewer torch calls
+            a = np.ascontiguousarray(t.numpy())
+        except TypeError:  # a dtype numpy lacks (bfloat16, float8...)
+            a = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        h.update(a.reshape(-1).view(np.uint8).data)
     elif isinstance(x, (np.ndarray, np.generic)):
         a = np.ascontiguousarray(x)
         if a.dtype.hasobject:

@@ -8,12 +8,13 @@ belong in a report, never in a test):
    their order rotated) so that drift of the machine hits every loader alike. Every loader
    is constructed, iterated for one epoch and, where it can checkpoint, asked for its
    ``state_dict()`` once, all inside the timed region. The ledger loaders log to a fresh
-   root each repeat.
+   root each repeat; one of them with ``digest=False`` (no per-batch content digest).
 2. Time to first batch (TTFB) after resuming at 50% of an epoch vs a fresh start: median
    of several interleaved repeats. The resume token comes from a loader that consumed
    half an epoch and called ``state_dict()``; each resume starts a new attempt.
 3. Bytes per event on disk after one epoch with a commit every K batches, against the
-   information content of a shuffled sample id, ``log2(N)/8`` bytes.
+   information content of a shuffled sample id, ``log2(N)/8`` bytes; with the default
+   per-batch digest events and without them.
 
 4. With ``--audit`` instead: coverage and duplicates over a log of 10^8 events
    (``tools/bench_audit.py``).
@@ -64,6 +65,7 @@ warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 TORCH = "torch DataLoader"
 LEDGER_NORNG = "ledger (per_sample_rng=False)"
+LEDGER_BARE = "ledger (per_sample_rng=False, digest=False)"
 LEDGER = "ledger (default)"
 STATEFUL = "torchdata StatefulDataLoader"
 
@@ -119,7 +121,7 @@ def _torch_loader(cfg: Config, nw: int, _root: str) -> tud.DataLoader:
     )
 
 
-def _ledger_loader(per_sample_rng: bool) -> Callable[[Config, int, str], Any]:
+def _ledger_loader(per_sample_rng: bool, digest: bool = True) -> Callable[[Config, int, str], Any]:
     def make(cfg: Config, nw: int, root: str) -> ledger.DataLoader:
         return ledger.DataLoader(
             Trivial(cfg.n),
@@ -129,6 +131,7 @@ def _ledger_loader(per_sample_rng: bool) -> Callable[[Config, int, str], Any]:
             log=root,
             num_workers=nw,
             per_sample_rng=per_sample_rng,
+            digest=digest,
         )
 
     return make
@@ -146,6 +149,7 @@ def _factories() -> dict[str, tuple[Callable[[Config, int, str], Any], bool]]:
     """name -> (factory(cfg, num_workers, root), whether it logs to a root)."""
     out: dict[str, tuple[Callable[[Config, int, str], Any], bool]] = {
         TORCH: (_torch_loader, False),
+        LEDGER_BARE: (_ledger_loader(False, digest=False), True),
         LEDGER_NORNG: (_ledger_loader(False), True),
         LEDGER: (_ledger_loader(True), True),
     }
@@ -306,8 +310,9 @@ def _tree_bytes(path: Path) -> int:
     )
 
 
-def bytes_per_event(cfg: Config, roots: Roots) -> dict[str, Any]:
-    """Sizes of the log after one epoch of ``cfg.bytes_n`` with periodic commits."""
+def bytes_per_event(cfg: Config, roots: Roots, digest: bool = True) -> dict[str, Any]:
+    """Sizes of the log after one epoch of ``cfg.bytes_n`` with periodic commits
+    (``digest``: with a content-digest event per batch, the default)."""
     root = Path(roots.new())
     loader = ledger.DataLoader(
         Trivial(cfg.bytes_n),
@@ -316,6 +321,7 @@ def bytes_per_event(cfg: Config, roots: Roots) -> dict[str, Any]:
         seed=cfg.seed,
         log=str(root),
         per_sample_rng=False,  # the log does not depend on it; faster
+        digest=digest,
     )
     for i, _ in enumerate(loader, start=1):
         if i % cfg.commit_every == 0:
@@ -336,7 +342,7 @@ def bytes_per_event(cfg: Config, roots: Roots) -> dict[str, Any]:
     return result
 
 
-def bytes_table(cfg: Config, res: dict[str, Any]) -> Table:
+def bytes_table(cfg: Config, res: dict[str, Any], bare: dict[str, Any]) -> Table:
     ideal = math.log2(cfg.bytes_n) / 8
     n = res["events"]
     s = res["sizes"]
@@ -354,6 +360,9 @@ def bytes_table(cfg: Config, res: dict[str, Any]) -> Table:
     ]
     for label, total in rows:
         t.add_row(label, f"{total:,}", f"{total / n:.3f}", f"{total / n / ideal:.3f}")
+    total, n = bare["sizes"]["events/"], bare["events"]
+    label = f"events/ with digest=False ({n:,} events)"
+    t.add_row(label, f"{total:,}", f"{total / n:.3f}", f"{total / n / ideal:.3f}")
     return t
 
 
@@ -520,7 +529,9 @@ def object_store_table(cfg: Config, tmpdir: str | None, console: Console) -> Tab
 # ---------------------------------------------------------------------- goals
 
 
-def goals_table(cfg: Config, best: dict, ttfb: dict, nbytes: dict[str, Any]) -> Table:
+def goals_table(
+    cfg: Config, best: dict, ttfb: dict, nbytes: dict[str, Any], bare: dict[str, Any]
+) -> Table:
     t = Table(title="Goals")
     for col in ("goal", "measured", "target", "met"):
         t.add_column(col, justify="left" if col == "goal" else "right")
@@ -528,6 +539,14 @@ def goals_table(cfg: Config, best: dict, ttfb: dict, nbytes: dict[str, Any]) -> 
     def row(goal: str, value: float, target: str, ok: bool) -> None:
         t.add_row(goal, f"{value:.3f}", target, "yes" if ok else "[bold red]no[/]")
 
+    for nw in cfg.workers:
+        r = best[LEDGER_BARE, nw] / best[TORCH, nw]
+        row(
+            f"throughput ratio, per_sample_rng=False, digest=False, workers={nw}",
+            r,
+            ">= 0.99",
+            r >= 0.99,
+        )
     for nw in cfg.workers:
         r = best[LEDGER_NORNG, nw] / best[TORCH, nw]
         row(f"throughput ratio, per_sample_rng=False, workers={nw}", r, ">= 0.99", r >= 0.99)
@@ -549,6 +568,8 @@ def goals_table(cfg: Config, best: dict, ttfb: dict, nbytes: dict[str, Any]) -> 
     row("bytes/event ratio, events/", r, "<= 1.10", r <= 1.10)
     r = (s["events/"] + s["commits/"] + s["run.json"]) / nbytes["events"] / ideal
     row("bytes/event ratio, events/ + commits/ + run.json", r, "<= 1.10", r <= 1.10)
+    r = bare["sizes"]["events/"] / bare["events"] / ideal
+    row("bytes/event ratio, events/, digest=False", r, "<= 1.10", r <= 1.10)
     return t
 
 
@@ -611,14 +632,15 @@ def main(argv: list[str] | None = None) -> None:
     roots = Roots(tmpdir)
     try:
         nbytes = bytes_per_event(cfg, roots)
+        bare = bytes_per_event(cfg, roots, digest=False)
         best = throughput(cfg, roots, console)
         ttfb = resume_ttfb(cfg, roots, console)
     finally:
         roots.cleanup()
     console.print(throughput_table(cfg, best))
     console.print(ttfb_table(cfg, ttfb))
-    console.print(bytes_table(cfg, nbytes))
-    console.print(goals_table(cfg, best, ttfb, nbytes))
+    console.print(bytes_table(cfg, nbytes, bare))
+    console.print(goals_table(cfg, best, ttfb, nbytes, bare))
     console.print(object_store_table(cfg, tmpdir, console))
     console.print(f"total {time.perf_counter() - start:.0f} s")
 
