@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 from dataclasses import replace
 from urllib.parse import urlparse
@@ -16,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import Augmented
 from faultproxy import FaultProxy
+from test_sigkill import _effective_stream, _run
 
 import ledger
 from ledger.audit import connect, summarize
@@ -352,28 +351,10 @@ def test_orphan_of_a_crash_between_segment_and_marker_is_ignored(s3, proxy):
 
 # ---------------------------------------------------------------------- SIGKILL
 
-CHILD = os.path.join(os.path.dirname(__file__), "sigkill_child.py")
-
-
-def _run_child(args, kill_after_line=None):
-    proc = subprocess.Popen([sys.executable, CHILD, *args], stdout=subprocess.PIPE, text=True)
-    if kill_after_line is not None:
-        assert proc.stdout is not None
-        for seen, _line in enumerate(proc.stdout, start=1):
-            if seen == kill_after_line:
-                os.kill(proc.pid, signal.SIGKILL)
-                break
-    proc.communicate(timeout=120)
-    return proc.returncode
-
 
 def _lines(path):
     with open(path) as f:
         return [line.split(" ", 1) for line in f]
-
-
-def _effective(path):
-    return [rest for _, rest in sorted({int(s): rest for s, rest in _lines(path)}.items())]
 
 
 @pytest.mark.slow
@@ -381,14 +362,14 @@ def _effective(path):
 def test_sigkill_on_s3_then_resume_gives_the_uninterrupted_stream(s3, tmp_path, kill_after_line):
     total = 25
     ref = tmp_path / "ref.txt"
-    assert _run_child([s3.new_root("ref"), str(ref), str(tmp_path / "ref.json"), str(total)]) == 0
+    assert _run([s3.new_root("ref"), str(ref), str(tmp_path / "ref.json"), str(total)]) == 0
     root = s3.new_root("killed")
     out, ckpt = tmp_path / "run.txt", tmp_path / "ck.json"
     args = [root, str(out), str(ckpt), str(total)]
-    assert _run_child(args, kill_after_line=kill_after_line) == -signal.SIGKILL
+    assert _run(args, kill_after_line=kill_after_line) == -signal.SIGKILL
     killed = _lines(out)
-    assert _run_child([*args, "--resume"]) == 0
-    reference, resumed = _effective(ref), _effective(out)
+    assert _run([*args, "--resume"]) == 0
+    reference, resumed = _effective_stream(ref), _effective_stream(out)
     assert len(reference) == len(resumed) == total
     assert [i for i, (a, b) in enumerate(zip(reference, resumed, strict=True)) if a != b] == []
     # The resumed process uploaded the killed one's journal: the audit sees what attempt 0
