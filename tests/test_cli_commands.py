@@ -289,6 +289,21 @@ def test_reconstruct_writes_the_lineage_in_order(root: str, tmp_path: Path) -> N
     }  # fmt: skip
 
 
+def test_reconstruct_of_a_damaged_log_leaves_the_previous_output(root: str, tmp_path: Path) -> None:
+    out = tmp_path / "seen.parquet"
+    assert (
+        run("reconstruct", root, "--commit", "000000000002-0000", "--out", str(out)).exit_code == 0
+    )
+    before = out.read_bytes()
+    segment = sorted(Path(root, "events", "attempt=1").rglob("*.parquet"))[0]
+    segment.write_bytes(segment.read_bytes()[:-1] + b"x")  # one byte altered
+    result = run("reconstruct", root, "--commit", "000000000006-0001", "--out", str(out))
+    assert result.exit_code == 1
+    assert "SHA-256" in result.stderr or "sha256" in result.stderr.lower(), result.stderr
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".seen")) == []
+
+
 def test_reconstruct_an_unknown_commit(root: str, tmp_path: Path) -> None:
     result = run("reconstruct", root, "--commit", "000000000099-0000", "--out", str(tmp_path / "x"))
     assert result.exit_code == 1

@@ -6,6 +6,7 @@ segment) rather than through SQL, whose result order is only what ``ORDER BY`` s
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,7 +246,8 @@ def reconstruct(
     The rows are the ``'sample'`` and ``'span'`` events of the commit's lineage (for a
     packed stream, one row per span: which tokens of which sample), ordered by the
     training step (``batch``), then rank, then their order in the batch. Each segment's
-    checksum is verified before it is used.
+    checksum is verified before it is used. The file is written beside ``out`` under a
+    temporary name and renamed into place: on an error an existing ``out`` is unchanged.
 
     Args:
         root: the log root.
@@ -263,6 +265,23 @@ def reconstruct(
     store = Store(root)
     read_run(store)
     chain = _chain(store, commit)
+    path = Path(out)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        total = _write_lineage(store, chain, tmp, progress)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return total
+
+
+def _write_lineage(
+    store: Store,
+    chain: list[Commit],
+    out: Path,
+    progress: Callable[[int, int], None] | None,
+) -> int:
     total = 0
     with pq.ParquetWriter(str(out), RECONSTRUCT_SCHEMA, compression="zstd") as writer:
         for done, c in enumerate(chain, 1):
