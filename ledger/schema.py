@@ -169,10 +169,14 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
     if all(c.values is None for c in chunks):
         values = pa.nulls(total, pa.string())
     else:
-        values = pa.array(
-            [v for c in chunks for v in (c.values if c.values is not None else [None] * c.rows)],
-            pa.string(),
-        )
+        # A Python object per value, not per row: rows without one take a null index.
+        index = np.full(total, -1, np.int64)
+        strings: list[str | None] = []
+        for c, start in zip(chunks, (np.cumsum(counts) - counts).tolist(), strict=True):
+            if c.values is not None:
+                index[start : start + c.rows] = np.arange(len(strings), len(strings) + c.rows)
+                strings.extend(c.values)
+        values = pa.array(strings, pa.string()).take(pa.array(index, mask=index < 0))
     kinds = pa.DictionaryArray.from_arrays(
         pa.array(rep([KINDS.index(c.kind) for c in chunks], np.int8)), pa.array(KINDS)
     )
