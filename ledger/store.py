@@ -118,6 +118,8 @@ class Store:
 
     Raises:
         ValueError: if ``exclusive`` is not one of :data:`EXCLUSIVE_MODES`.
+        StorageError: if the root's protocol is unknown or its fsspec implementation is
+            not installed (``s3fs`` for ``s3://``: ``pip install 'ledger[s3]'``).
     """
 
     def __init__(
@@ -128,7 +130,13 @@ class Store:
         exclusive: str | None = None,
     ) -> None:
         protocol = fsspec.core.split_protocol(str(root))[0] or "file"
-        fs, path = fsspec.core.url_to_fs(str(root), **remote_options(protocol, storage_options))
+        try:
+            fs, path = fsspec.core.url_to_fs(str(root), **remote_options(protocol, storage_options))
+        except ImportError as e:  # fsspec names the package to install
+            extra = " (pip install 'ledger[s3]')" if protocol in _S3 else ""
+            raise StorageError(f"cannot open the log root {root}: {e}{extra}") from e
+        except ValueError as e:  # an unknown protocol
+            raise StorageError(f"cannot open the log root {root}: {e}") from e
         self.fs = fs
         self.is_local = isinstance(fs, LocalFileSystem)
         self.path = os.path.abspath(path) if self.is_local else path.rstrip("/")

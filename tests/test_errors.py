@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
+import fsspec.registry  # noqa: F401  (the module, patched below)
 import pytest
 import torch
+from click.testing import CliRunner
 from conftest import Augmented
 
 import ledger
+from ledger.cli import main
 from ledger.errors import (
     CommitNotFound,
     ConfigMismatch,
     LogCorrupted,
     ResumeMismatch,
+    StorageError,
     TokenError,
     WrongRoot,
 )
+from ledger.store import Store
 from ledger.testing import take
 
 
@@ -133,3 +139,16 @@ def test_mangled_marker_is_a_typed_error(root):
         f.write("{not json")
     with pytest.raises(LogCorrupted, match="not valid JSON"):
         fresh.load_state_dict(token)
+
+
+def test_a_root_ledger_cannot_open_is_a_storage_error(monkeypatch):
+    with pytest.raises(StorageError, match="Protocol not known: nope"):
+        Store("nope://bucket/run")
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # s3fs not installed...
+    monkeypatch.setattr(sys.modules["fsspec.registry"], "registry", {})  # ...nor loaded yet
+    with pytest.raises(StorageError, match=r"s3fs.*pip install 'ledger\[s3\]'"):
+        Store("s3://bucket/run")
+    result = CliRunner().invoke(main, ["audit", "s3://bucket/run"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: cannot open the log root s3://bucket/run")
+    assert len(result.stderr.splitlines()) == 1
