@@ -135,6 +135,7 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
     """
     counts = np.fromiter((c.rows for c in chunks), dtype=np.int64, count=len(chunks))
     total = int(counts.sum())
+    starts = np.cumsum(counts) - counts  # each chunk's first row
 
     def rep(values: list[int], dtype: type) -> np.ndarray:
         return np.repeat(np.asarray(values, dtype=dtype), counts)
@@ -143,7 +144,7 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
         return np.concatenate(arrays).astype(np.int64, copy=False) if arrays else np.zeros(0)
 
     if all(c.positions is None for c in chunks):
-        offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        offsets = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
         positions = rep([c.position for c in chunks], np.int64) + offsets
     else:
         positions = cat(
@@ -172,7 +173,7 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
         # A Python object per value, not per row: rows without one take a null index.
         index = np.full(total, -1, np.int64)
         strings: list[str | None] = []
-        for c, start in zip(chunks, (np.cumsum(counts) - counts).tolist(), strict=True):
+        for c, start in zip(chunks, starts.tolist(), strict=True):
             if c.values is not None:
                 index[start : start + c.rows] = np.arange(len(strings), len(strings) + c.rows)
                 strings.extend(c.values)

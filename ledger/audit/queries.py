@@ -7,7 +7,8 @@ segment) rather than through SQL, whose result order is only what ``ORDER BY`` s
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,15 +266,22 @@ def reconstruct(
     store = Store(root)
     read_run(store)
     chain = _chain(store, commit)
+    with output_file(out) as tmp:
+        return _write_lineage(store, chain, tmp, progress)
+
+
+@contextmanager
+def output_file(out: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary path beside ``out``, renamed to ``out`` when the block succeeds and
+    removed when it raises: a failed write leaves an existing ``out`` unchanged."""
     path = Path(out)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        total = _write_lineage(store, chain, tmp, progress)
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return total
 
 
 def _write_lineage(

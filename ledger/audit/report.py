@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
+from ledger.audit.queries import output_file
 from ledger.audit.summary import CONSUMED, Summary, summarize
 from ledger.audit.views import connect
 from ledger.segments import orphans
@@ -101,11 +102,9 @@ def write_report(root: str, out: str | os.PathLike[str], head: str | None = None
         page = _page(root, summary, con)
     finally:
         con.close()
-    path = Path(out)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    with output_file(out) as tmp:
+        tmp.write_text(page, encoding="utf-8")
+    return Path(out)
 
 
 # ---------------------------------------------------------------- data (DuckDB)
