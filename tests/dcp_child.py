@@ -1,7 +1,9 @@
 """Child for test_dist: torch.distributed.checkpoint saves and restores every rank's loader.
 
-Usage: torchrun --nproc_per_node W dcp_child.py ROOT CHECKPOINT_DIR
-Prints "rank R ok" when the restored loader continues exactly like the saved one.
+Usage: torchrun --nproc_per_node W dcp_child.py ROOT CHECKPOINT_DIR OUT_DIR
+Each rank writes OUT_DIR/rank<R>.txt: "ok" when the restored loader continues exactly like the
+saved one, "differs" otherwise. (A file per rank: the ranks share one stdout, where their lines
+can interleave.)
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ledger.testing import batches_equal, take
 
 
 def main() -> None:
-    root, checkpoint = sys.argv[1], sys.argv[2]
+    root, checkpoint, out = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
 
     def make() -> ledger.DataLoader:
@@ -33,7 +35,8 @@ def main() -> None:
     restored = make()
     dcp.load({"loader": restored}, checkpoint_id=checkpoint)
     same = all(batches_equal(a, b) for a, b in zip(take(restored, 4), reference, strict=True))
-    print(f"rank {dist.get_rank()} {'ok' if same else 'differs'}", flush=True)
+    with open(os.path.join(out, f"rank{dist.get_rank()}.txt"), "w") as f:
+        f.write("ok" if same else "differs")
     dist.barrier()
     dist.destroy_process_group()
 

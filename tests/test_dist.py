@@ -220,12 +220,10 @@ def test_distributed_checkpoint_restores_every_rank(tmp_path):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
         "--master_addr=127.0.0.1", "--master_port=29580", child,
-        str(tmp_path / "log"), str(tmp_path / "dcp"),
+        str(tmp_path / "log"), str(tmp_path / "dcp"), str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank")) == [
-        "rank 0 ok",
-        "rank 1 ok",
-    ]
+    verdicts = {p.name: p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))}
+    assert verdicts == {"rank0.txt": "ok", "rank1.txt": "ok"}
