@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 
 import numpy as np
 import pytest
@@ -24,6 +25,13 @@ class Augmented:
             "np": torch.tensor(np.random.randint(0, 10**6)),
             "py": torch.tensor(random.randrange(10**6)),
         }
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the OS picks it), for a torchrun rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def packed_stream(shards_dir: str, shuffle_buffer: int, seq_len: int = 16):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import free_port
 
 from ledger.audit import summarize
 from ledger.commits import list_commits
@@ -17,14 +18,14 @@ CHILD = os.path.join(os.path.dirname(__file__), "dist_child.py")
 TOTAL = 14
 
 
-def torchrun(nproc: int, *args: str, port: int) -> int:
+def torchrun(nproc: int, *args: str) -> int:
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1",
-        f"--master_port={port}",
+        f"--master_port={free_port()}",
         CHILD,
         *args,
     ]
@@ -48,7 +49,7 @@ def streams(out, nproc):
 def test_collective_commits_and_same_shape_resume(tmp_path, nproc):
     ref = tmp_path / "ref"
     ref.mkdir()
-    assert torchrun(nproc, str(tmp_path / "ref-log"), str(ref), str(TOTAL), port=29510 + nproc) == 0
+    assert torchrun(nproc, str(tmp_path / "ref-log"), str(ref), str(TOTAL)) == 0
     commits = list_commits(Store(str(tmp_path / "ref-log")))
     assert [c.step for c in commits] == [3, 6, 9, 12]
     for c in commits:  # one marker per step naming every rank's segment and state
@@ -80,7 +81,7 @@ def test_collective_commits_and_same_shape_resume(tmp_path, nproc):
     run = tmp_path / "run"
     run.mkdir()
     log = str(tmp_path / "log")
-    rc = torchrun(nproc, log, str(run), str(TOTAL), "--die-after-segment", "9", port=29520 + nproc)
+    rc = torchrun(nproc, log, str(run), str(TOTAL), "--die-after-segment", "9")
     assert rc != 0
     assert [c.step for c in list_commits(Store(log))] == [3, 6]
     orphan = os.path.join(log, "events", "attempt=0", "rank=1", f"seg-{9:012d}.parquet")
@@ -88,7 +89,7 @@ def test_collective_commits_and_same_shape_resume(tmp_path, nproc):
     for rank in range(nproc):
         with open(run / f"ckpt-{rank}.json") as f:
             assert json.load(f)["commit"] == "000000000006-0000"
-    assert torchrun(nproc, log, str(run), str(TOTAL), "--resume", port=29530 + nproc) == 0
+    assert torchrun(nproc, log, str(run), str(TOTAL), "--resume") == 0
     assert streams(run, nproc) == reference
     assert [c.id for c in list_commits(Store(log))][-1] == "000000000012-0001"
 
@@ -104,12 +105,11 @@ def test_elastic_resume_consumes_each_sample_once(tmp_path, shapes, drop_last):
     """61 samples, batch 4; (ranks, last step) per shape, each ending on a commit."""
     log = str(tmp_path / "log")
     extra = ["--drop-last"] if drop_last else []
-    port = 29540 + 10 * drop_last
     for i, (nproc, total) in enumerate(shapes):
         out = tmp_path / f"shape{i}"
         out.mkdir()
         resume = ["--resume-from", str(tmp_path / f"shape{i - 1}" / "ckpt-0.json")] if i else []
-        assert torchrun(nproc, log, str(out), str(total), *resume, *extra, port=port + i) == 0
+        assert torchrun(nproc, log, str(out), str(total), *resume, *extra) == 0
     store = Store(log)
     commits = list_commits(store)
     assert [(c.attempt, c.world_size) for c in commits][-1] == (2, 3)
@@ -153,14 +153,14 @@ def test_packed_stream_on_two_ranks_resumes_exactly(tmp_path):
     extra = ["--shards", str(shards)]
     ref = tmp_path / "ref"
     ref.mkdir()
-    assert torchrun(2, str(tmp_path / "ref-log"), str(ref), str(TOTAL), *extra, port=29561) == 0
+    assert torchrun(2, str(tmp_path / "ref-log"), str(ref), str(TOTAL), *extra) == 0
     run = tmp_path / "run"
     run.mkdir()
     log = str(tmp_path / "log")
-    rc = torchrun(2, log, str(run), str(TOTAL), "--die-after-segment", "9", *extra, port=29562)
+    rc = torchrun(2, log, str(run), str(TOTAL), "--die-after-segment", "9", *extra)
     assert rc != 0
     assert [c.step for c in list_commits(Store(log))] == [3, 6]
-    assert torchrun(2, log, str(run), str(TOTAL), "--resume", *extra, port=29563) == 0
+    assert torchrun(2, log, str(run), str(TOTAL), "--resume", *extra) == 0
     assert streams(run, 2) == streams(ref, 2)
     # Every token of every document once per completed epoch of each rank.
     from ledger.audit import connect
@@ -190,7 +190,7 @@ def test_elastic_packed_stream_two_to_one_to_three_ranks(tmp_path):
         out = tmp_path / f"shape{i}"
         out.mkdir()
         resume = ["--resume-from", str(tmp_path / f"shape{i - 1}" / "ckpt-0.json")] if i else []
-        rc = torchrun(nproc, log, str(out), str(total), *resume, *extra, port=29570 + i)
+        rc = torchrun(nproc, log, str(out), str(total), *resume, *extra)
         assert rc == 0
     from ledger.audit import connect
 
@@ -219,7 +219,7 @@ def test_distributed_checkpoint_restores_every_rank(tmp_path):
     child = os.path.join(os.path.dirname(__file__), "dcp_child.py")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", "--master_port=29580", child,
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", child,
         str(tmp_path / "log"), str(tmp_path / "dcp"), str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -446,9 +446,9 @@ def test_two_ranks_on_s3_one_killed_between_segment_and_marker(s3, tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir()
     run.mkdir()
-    assert torchrun(2, s3.new_root("dist-ref"), str(ref), str(TOTAL), port=29591) == 0
+    assert torchrun(2, s3.new_root("dist-ref"), str(ref), str(TOTAL)) == 0
     root = s3.new_root("dist")
-    rc = torchrun(2, root, str(run), str(TOTAL), "--die-after-segment", "9", port=29592)
+    rc = torchrun(2, root, str(run), str(TOTAL), "--die-after-segment", "9")
     assert rc != 0
     store = Store(root)
     assert [c.step for c in list_commits(store)] == [3, 6]
@@ -456,7 +456,7 @@ def test_two_ranks_on_s3_one_killed_between_segment_and_marker(s3, tmp_path):
     left = orphans(store, _named(store))
     seg9 = [f"events/attempt=0/rank={r}/seg-000000000009.parquet" for r in (0, 1)]
     assert seg9[1] in left and set(left) <= set(seg9)
-    assert torchrun(2, root, str(run), str(TOTAL), "--resume", port=29593) == 0
+    assert torchrun(2, root, str(run), str(TOTAL), "--resume") == 0
     assert streams(run, 2) == streams(ref, 2)
     assert [c.id for c in list_commits(store)][-1] == "000000000012-0001"
     runner = CliRunner()
