@@ -3,7 +3,7 @@
 A small version of ``tools/demo_elastic.py`` (whose helpers it uses). 200 windows of the
 first 40 stdlib files, 8 per batch per rank: an epoch is 13 steps on 2 ranks (the last
 one split 4 + 4) and 25 on 1 rank, so the kills and resumes fall mid-epoch and the runs
-cross epochs. Every kill SIGKILLs the whole torchrun process group (agent, ranks,
+cross epochs. Every kill SIGKILLs the whole torchrun job (agent, ranks,
 DataLoader workers) a few steps after a checkpoint.
 """
 

@@ -3,8 +3,8 @@
 Runs ``examples/train_lm.py`` (map-style) under ``torchrun`` (gloo, CPU) in one run
 directory, three times:
 
-1. on 2 ranks, SIGKILLed (the whole torchrun process group: agent, ranks and their
-   DataLoader workers) at a random step after its first checkpoint;
+1. on 2 ranks, SIGKILLed (the whole torchrun job: agent, ranks and their DataLoader
+   workers) at a random step after its first checkpoint;
 2. ``--resume`` on 1 rank: every rank loads rank 0's token and the loader continues the
    interrupted epoch with the new shape; SIGKILLed again at a random step after this
    attempt's first checkpoint;
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import random
 import signal
 import socket
@@ -37,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 _TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(_TOOLS))  # tools/ is not a package
 from demo import REPO, RESUMED_RE, STEP_RE, TRAIN, child_env, ledger_cli  # noqa: E402
@@ -47,6 +48,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def kill_job(pid: int, timeout: float = 30.0) -> None:
+    """SIGKILL a torchrun job: the agent ``pid`` and every process under it.
+
+    torchrun starts each rank in a session of its own, so killing the agent's process
+    group would leave the ranks training on (and committing) after the "kill". The
+    agent's descendants are listed first, then all are killed, agent first, so it cannot
+    react. A DataLoader worker forked after the listing dies with its rank
+    (``PR_SET_PDEATHSIG``). Returns once every rank and worker is dead (gone or a zombie),
+    or after ``timeout`` seconds; the agent is left for the caller to reap.
+    """
+    try:
+        agent = psutil.Process(pid)
+        procs = [agent, *agent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+
+    def alive(p: psutil.Process) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    # Not children of ours, so nothing to wait(2) for: poll until the kernel has them.
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in procs[1:]) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def torchrun_cmd(
@@ -77,15 +109,15 @@ def run_torchrun(
 ) -> tuple[int, list[str]]:
     """Run ``script`` on ``nproc`` ranks with torchrun, reading rank 0's stdout.
 
-    The job runs in a session of its own, so that a kill reaches every process of it:
-    the torchrun agent, the ranks and their DataLoader workers.
+    A kill reaches every process of the job (``kill_job``): the torchrun agent, the
+    ranks and their DataLoader workers.
 
     Args:
         root: the run directory (created).
         nproc: ranks.
         train_args: the script's arguments, ``--root`` and ``--stream-out`` excepted.
         resume: pass ``--resume``.
-        kill_at: SIGKILL the whole process group as soon as rank 0 reports this step.
+        kill_at: SIGKILL the whole job as soon as rank 0 reports this step.
         on_step: called with each step number rank 0 reports.
         script: the training script.
         timeout: seconds before the job is killed and ``TimeoutError`` raised.
@@ -122,13 +154,12 @@ def run_torchrun(
                 if on_step is not None:
                     on_step(step)
                 if kill_at is not None and step >= kill_at:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    kill_job(proc.pid)
                     break
             rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
             if proc.poll() is None:  # an exception above: leave no rank behind
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                kill_job(proc.pid)
                 proc.wait()
             proc.stdout.close()
     if rc not in (0, -signal.SIGKILL):
