@@ -6,7 +6,8 @@ Usage: torchrun --nproc_per_node W dist_child.py ROOT OUTDIR TOTAL [--resume]
        [--drop-last]
        [--shards DIR]  (a packed, shuffled stream over DIR/* instead of a dataset)
 Each rank appends "<step> <ids> <digest>" per batch to OUTDIR/stream-<rank>.txt and keeps
-its token in OUTDIR/ckpt-<rank>.json (written after every commit, every 3 steps).
+its token in OUTDIR/ckpt-<rank>.json (written after every commit, every 3 steps, then a
+barrier).
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ def main() -> None:
                     with open(ckpt + ".tmp", "w") as t:
                         json.dump(token, t)
                     os.replace(ckpt + ".tmp", ckpt)
+                    # A checkpoint is complete once every rank has saved its part (as with
+                    # torch.distributed.checkpoint.save): without this barrier, a rank could
+                    # run ahead to a later kill point while another has yet to save.
+                    dist.barrier()
                 if step == total:
                     break
     dist.barrier()
