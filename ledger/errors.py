@@ -56,3 +56,8 @@ class ResumeMismatch(LedgerError):
 
 class StorageError(LedgerError):
     """Reading or writing the log's storage failed; the message says what was left behind."""
+
+
+class UnsupportedArgument(LedgerError, ValueError):
+    """A DataLoader argument ledger cannot honour exactly; the message says what it does
+    instead (e.g. a custom sampler: ``shuffle=True, seed=...``)."""

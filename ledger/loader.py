@@ -30,9 +30,10 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
+from ledger import torch_args
 from ledger.commits import Commit, PipelineState, read_run
 from ledger.digest import batch_digest
-from ledger.errors import LedgerError, TokenError, WrongRoot
+from ledger.errors import CommitNotFound, ConfigMismatch, LedgerError, TokenError, WrongRoot
 from ledger.log import Ledger
 from ledger.order import BatchPlan, EpochOrder, rngs_preserved, sample_seeds, seed_globals
 from ledger.replay import advance, replay, resume_elastic
@@ -194,15 +195,37 @@ class DataLoader:
     ``[0, len(dataset))`` (:class:`ledger.order.EpochOrder`); each ``iter(loader)`` serves
     the rest of the current epoch, so epochs advance by themselves.
 
+    The arguments are torch's, in torch's order (``dataset, batch_size, shuffle, sampler,
+    batch_sampler, num_workers, collate_fn, pin_memory, drop_last, timeout,
+    worker_init_fn, multiprocessing_context, generator``), then keyword-only ones; ledger's
+    own (``log``, ``seed``, ...) come last. :mod:`ledger.torch_args` says which samplers are
+    translated and which arguments are refused, and why.
+
     Args:
         dataset: map-style dataset (``__len__`` and ``__getitem__(int)``), e.g. a HF
-            ``datasets.Dataset``.
-        batch_size: samples per batch on this rank (>= 1).
-        shuffle: shuffle each epoch with the seeded order; ``False``: identity order.
-        seed: seed of the orders and of the per-sample RNG seeds (int).
+            ``datasets.Dataset``, or a :class:`ledger.stream.Stream`. An
+            ``IterableDataset`` is refused: use a ``Stream``.
+        batch_size: samples per batch on this rank (>= 1; ``None`` is refused).
+        shuffle: shuffle each epoch with the seeded order; ``False``/``None``: identity
+            order.
+        sampler: ``SequentialSampler`` (= ``shuffle=False``), ``RandomSampler`` without
+            replacement (= ``shuffle=True``, seeded by its generator) or
+            ``DistributedSampler`` (its shuffle, seed, rank and replicas); others are
+            refused, since ledger must recompute the order at any position.
+        batch_sampler: a ``torch.utils.data.BatchSampler`` over one of those samplers
+            (its batch size and drop_last are taken); others are refused.
+        generator: a ``torch.Generator`` whose ``initial_seed()`` is the run's seed
+            (nothing is drawn from it).
+        pin_memory_device: as for torch (passed to torch's loader).
+        in_order: ``True`` only: batches are always handed over in order.
         log: log root (a local path or an object-store URI such as
             ``s3://bucket/prefix``, see ``docs/object-storage.md``) or a
             :class:`ledger.Ledger` (e.g. to choose its ``journal_dir``).
+        seed: seed of the orders and of the per-sample RNG seeds (int). Default: from
+            ``generator`` or a seeded sampler if given, else ``torch.initial_seed()``
+            (modulo 2**63): the seed ``torch.manual_seed`` set, which torch's own shuffle
+            would use too. Without ``torch.manual_seed`` that seed is random per process,
+            and resuming raises ``ConfigMismatch`` naming the seed to pass.
         num_workers, collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
         multiprocessing_context, prefetch_factor, persistent_workers: as for
             ``torch.utils.data.DataLoader``. ``drop_last=False`` serves a short final
@@ -222,17 +245,18 @@ class DataLoader:
             is a URI; default: the standard AWS environment and config files.
 
     Raises:
-        ValueError: if ``batch_size < 1`` or an epoch would hold no batch.
+        UnsupportedArgument: (a ``ValueError``) for an argument ledger cannot honour
+            exactly; the message says what to pass instead.
+        ValueError: if an epoch would hold no batch.
     """
 
     def __init__(
         self,
         dataset: MapDataset,
-        batch_size: int = 1,
-        shuffle: bool = False,
-        seed: int = 0,
-        *,
-        log: str | os.PathLike[str] | Ledger,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
@@ -240,16 +264,36 @@ class DataLoader:
         timeout: float = 0,
         worker_init_fn: Callable[[int], None] | None = None,
         multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        log: str | os.PathLike[str] | Ledger,
+        seed: int | None = None,
         per_sample_rng: bool = True,
         digest: bool = True,
         rank: int | None = None,
         world_size: int | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        args = torch_args.resolve(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            drop_last=drop_last,
+            generator=generator,
+            seed=seed,
+            in_order=in_order,
+            rank=rank,
+            world_size=world_size,
+        )
+        batch_size, drop_last, rank, world_size = (
+            args.batch_size, args.drop_last, args.rank, args.world_size
+        )  # fmt: skip
         if rank is None or world_size is None:
             dist = torch.distributed
             active = dist.is_available() and dist.is_initialized()
@@ -259,8 +303,9 @@ class DataLoader:
             )
         self.dataset = dataset
         self.batch_size = batch_size
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
+        self.shuffle = args.shuffle
+        self.seed = args.seed
+        self._seed_from_torch = args.seed_from_torch
         self.drop_last = bool(drop_last)
         self.per_sample_rng = bool(per_sample_rng)
         self._stream: StreamDriver | None = None
@@ -304,6 +349,8 @@ class DataLoader:
             "generator": generator,
             "prefetch_factor": prefetch_factor,
         }
+        if pin_memory_device:
+            torch_kwargs["pin_memory_device"] = pin_memory_device
         if isinstance(dataset, Stream):
             self._stream = StreamDriver(
                 dataset,
@@ -522,7 +569,9 @@ class DataLoader:
 
         Raises:
             TokenError: if the token is malformed or of another version.
-            WrongRoot: if the token belongs to another log root or run.
+            WrongRoot: if the token's run or commit is not in this loader's log. A token
+                written to another root resumes when this root holds the same run and
+                commit (a log copied, mounted elsewhere or moved to another bucket).
             ConfigMismatch: if dataset length, seed, shuffle, batch size, drop_last or
                 world size differ from the run's (names both values).
             CommitNotFound: if the token's commit is not in the log.
@@ -530,22 +579,25 @@ class DataLoader:
                 loader would not continue it exactly.
         """
         token = _check_token(state_dict)
-        found_root = Store(token["root"]).uri if "://" not in token["root"] else token["root"]
-        if found_root != self._ledger.root:
-            raise WrongRoot(
-                f"the token was written to log root {token['root']!r}, this loader logs to "
-                f"{self._ledger.root!r}: pass log={token['root']!r} to resume that run"
-            )
+        moved = _normal_root(token["root"]) != self._ledger.root
+        self._check_run(token, moved)
         if self._stream is not None and self._ledger.store.exists("run.json"):
             # Before the generic config check: name the first shard that changed.
             logged = read_run(self._ledger.store)["config"].get("source", [])
             self._stream.stream.source.check(logged)
-        run_id = self._ledger.open(self.config)
-        if token["run_id"] != run_id:
-            raise WrongRoot(
-                f"the token belongs to run {token['run_id']}, but {self._ledger.root} holds run "
-                f"{run_id}: the root was recreated; resume from a checkpoint of run {run_id}"
-            )
+        try:
+            run_id = self._ledger.open(self.config)
+        except ConfigMismatch as e:
+            if e.field == "seed" and self._seed_from_torch:
+                raise ConfigMismatch(
+                    "seed", e.expected, e.found,
+                    "This loader took its seed from torch.initial_seed() (no seed= was "
+                    f"given): pass seed={e.expected!r}, or call torch.manual_seed("
+                    f"{e.expected!r}) before building the loader, as the logged run did.",
+                ) from e  # fmt: skip
+            raise
+        if token["run_id"] != run_id:  # a run created since _check_run (a racing writer)
+            raise WrongRoot(f"{self._ledger.root} holds run {run_id}, not the token's")
         if token["commit"] == "":
             head = None
             if self._stream is not None:
@@ -554,7 +606,7 @@ class DataLoader:
             else:
                 state = PipelineState(self._plan.rank, 0, 0, 0)
         else:
-            head = self._ledger.read_commit(token["commit"])
+            head = self._read_token_commit(token, moved)
             if self._stream is not None:
                 state = self._stream.replay(self._ledger.store, head)
             elif head.world_size != self._plan.world_size:
@@ -569,6 +621,62 @@ class DataLoader:
         self._iter_epoch = None
         if self._ledger.attempt is not None:
             self._start_attempt()
+
+    def _check_run(self, token: dict[str, Any], moved: bool) -> None:
+        """Refuse a token of another run, before anything is written to this root.
+
+        A token written to another root resumes here when this root holds its run: a log
+        copied, mounted at another path or moved to another bucket keeps its run id and
+        commit chain (the commit is checked by :meth:`_read_token_commit`).
+
+        Raises:
+            WrongRoot: if this root holds another run, or (moved) no run.
+        """
+        store = self._ledger.store
+        here = read_run(store)["run_id"] if store.exists("run.json") else None
+        if here == token["run_id"] or (here is None and not moved):
+            return
+        if not moved:
+            raise WrongRoot(
+                f"the token belongs to run {token['run_id']}, but {self._ledger.root} holds "
+                f"run {here}: the root was recreated; resume from a checkpoint of run {here}"
+            )
+        holds = f"holds run {here}" if here else "holds no run"
+        raise WrongRoot(
+            f"the token was written to log root {token['root']!r} (run {token['run_id']}), "
+            f"this loader logs to {self._ledger.root!r}, which {holds}: pass "
+            f"log={token['root']!r}, or a copy of that log, to resume that run"
+        )
+
+    def _read_token_commit(self, token: dict[str, Any], moved: bool) -> Commit:
+        """The token's commit, checked against the token's step and attempt.
+
+        Raises:
+            CommitNotFound: if the token's own root lacks the commit.
+            WrongRoot: if a moved log lacks it or holds another commit under its id.
+        """
+        try:
+            head = self._ledger.read_commit(token["commit"])
+        except CommitNotFound as e:
+            if not moved:
+                raise
+            raise WrongRoot(
+                f"{self._ledger.root} holds run {token['run_id']} but not its commit "
+                f"{token['commit']} (the token was written to {token['root']!r}): the "
+                "copy predates the checkpoint; copy the log again, or resume from an "
+                "older checkpoint"
+            ) from e
+        if (head.step, head.attempt) != (token["step"], token["attempt"]):
+            raise WrongRoot(
+                f"commit {head.id} of {self._ledger.root} is at step {head.step} of attempt "
+                f"{head.attempt}, the token says step {token['step']} of attempt "
+                f"{token['attempt']}: the token is not of this log"
+            )
+        return head
+
+
+def _normal_root(root: str) -> str:
+    return root if "://" in root else Store(root).uri
 
 
 def _check_token(token: Any) -> dict[str, Any]:

@@ -72,13 +72,13 @@ def test_token_of_a_recreated_root_is_refused(root, tmp_path):
     token = _token(root)
     os.rename(root, str(tmp_path / "old"))
     _token(root)  # a new run under the same path
-    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, log=root)
+    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root)
     with pytest.raises(WrongRoot, match="recreated"):
         fresh.load_state_dict(token)
 
 
 def test_malformed_tokens(root):
-    loader = ledger.DataLoader(Augmented(20), batch_size=4, log=root)
+    loader = ledger.DataLoader(Augmented(20), batch_size=4, seed=0, log=root)
     with pytest.raises(TokenError):
         loader.load_state_dict({"version": 1})
     token = _token(root, shuffle=False)
@@ -96,7 +96,7 @@ def test_altered_segment_is_detected(root):
     with open(seg, "r+b") as f:
         f.seek(-20, os.SEEK_END)
         f.write(b"\0" * 4)
-    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, log=root)
+    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root)
     with pytest.raises(LogCorrupted, match="sha256"):
         fresh.load_state_dict(token)
 
@@ -106,7 +106,7 @@ def test_changed_order_is_caught_by_verification_not_config(root, monkeypatch):
     # Same configuration, different order function (e.g. a changed algorithm that kept
     # its name): replay recomputes the last batch and refuses.
     monkeypatch.setattr(ledger.order, "ROUNDS", 4)
-    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, log=root)
+    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root)
     with pytest.raises(ResumeMismatch, match="order puts sample"):
         fresh.load_state_dict(token)
 
@@ -132,7 +132,7 @@ def test_mangled_marker_is_a_typed_error(root):
     del marker["states"]
     with open(path, "w") as f:
         json.dump(marker, f)
-    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, log=root)
+    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root)
     with pytest.raises(LogCorrupted, match="states"):
         fresh.load_state_dict(token)
     with open(path, "w") as f:
