@@ -7,6 +7,7 @@ A user error (a :class:`ledger.errors.LedgerError`, an error in the user's SQL) 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import csv
 import dataclasses
@@ -19,19 +20,20 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-import duckdb
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
-from ledger.audit import VIEWS, Summary, connect, summarize
-from ledger.audit.checks import CHECKS, CheckResult, check, verify
-from ledger.audit.queries import materialize as materialize_batch
-from ledger.audit.queries import reconstruct, show, where
+from ledger import __version__
+from ledger.audit.names import CHECKS, VIEWS
 from ledger.errors import LedgerError
+
+if TYPE_CHECKING:  # imported where used: `ledger --help` must not import DuckDB or pandas
+    import duckdb
+    from rich.console import Console
+
+    from ledger.audit import Summary
+    from ledger.audit.checks import CheckResult
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -50,8 +52,11 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except LedgerError as e:
             raise click.ClickException(_one_line(str(e))) from e
-        except duckdb.Error as e:
-            raise click.ClickException(_one_line(str(e))) from e
+        except Exception as e:
+            duckdb = sys.modules.get("duckdb")  # loaded by any command that ran SQL
+            if duckdb is not None and isinstance(e, duckdb.Error):
+                raise click.ClickException(_one_line(str(e))) from e
+            raise
 
 
 def _one_line(message: str) -> str:
@@ -73,6 +78,7 @@ def output_options(f: F) -> F:
 
 
 @click.group(cls=_Group)
+@click.version_option(__version__, prog_name="ledger")
 def main() -> None:
     """Audit and inspect a ledger log: what a model saw, and when.
 
@@ -85,7 +91,7 @@ def main() -> None:
         ledger audit /runs/exp7
         ledger audit /runs/exp7 --check coverage --check duplicates
         ledger where /runs/exp7 --sample 1234
-        ledger reconstruct /runs/exp7 --commit 000000000040-0000 --out seen.parquet
+        ledger reconstruct /runs/exp7 --commit 40 --out seen.parquet
     """
 
 
@@ -95,7 +101,23 @@ def _progress(what: str) -> Iterator[Callable[[int, int], None] | None]:
     if not sys.stderr.isatty():
         yield None
         return
-    columns = (TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn(what),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(what, total=None)
 
@@ -109,8 +131,21 @@ def _head_option(f: F) -> F:
     return click.option(
         "--head",
         metavar="COMMIT",
-        help="Commit whose lineage is audited [default: the newest commit of the newest attempt].",
+        help="Commit whose lineage is audited: its step (40), STEP-ATTEMPT (40-1) or full id "
+        "[default: the newest commit of the newest attempt].",
     )(f)
+
+
+def _commit(root: str, text: str | None) -> str | None:
+    """The full id of the commit the user typed as ``40``, ``40-1`` or the full id."""
+    if text is None:
+        return None
+    from ledger.commits import read_run, resolve_commit
+    from ledger.store import Store
+
+    store = Store(root)
+    read_run(store)  # "ROOT holds no run; did you mean ROOT/log?" before "no commit 40"
+    return resolve_commit(store, text)
 
 
 @main.command()
@@ -131,6 +166,24 @@ def _head_option(f: F) -> F:
     "every one). Exit status 3 if one fails.",
 )
 @click.option(
+    "--allow-uncommitted",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="BATCHES",
+    help="For the abandoned check: accept up to BATCHES uncommitted batches per attempt "
+    "(the crash tail a killed process consumed after its last checkpoint; use the "
+    "checkpoint interval).",
+)
+@click.option(
+    "--max-rows",
+    type=click.IntRange(min=0),
+    default=40,
+    show_default=True,
+    help="With --sql and --format table: rows shown, half from the start and half from the "
+    "end, with the row count (0: all). Other formats print every row.",
+)
+@click.option(
     "--max-skew",
     type=click.IntRange(min=0),
     metavar="SAMPLES",
@@ -142,6 +195,8 @@ def audit(
     sql: str | None,
     head: str | None,
     checks: tuple[str, ...],
+    allow_uncommitted: int,
+    max_rows: int,
     max_skew: int | None,
     fmt: str,
 ) -> None:
@@ -159,18 +214,30 @@ def audit(
 
     \b
         ledger audit /runs/exp7
-        ledger audit /runs/exp7 --head 000000000040-0000
+        ledger audit /runs/exp7 --head 40
         ledger audit /runs/exp7 --check coverage --check duplicates || exit 1
+        ledger audit /runs/exp7 --check all --allow-uncommitted 100
         ledger audit /runs/exp7 --format csv \\
             --sql "SELECT epoch, count(*) AS samples FROM lineage GROUP BY 1"
         echo "SELECT * FROM commits" | ledger audit /runs/exp7 --sql - --format json
     """
+    from ledger.audit import connect, summarize
+    from ledger.audit.checks import check
+
     if checks and sql is not None:
         raise click.UsageError("--check and --sql cannot be combined")
+    head = _commit(root, head)
     if checks:
         names = CHECKS if "all" in checks else tuple(dict.fromkeys(checks))
         with _progress("scanning segments") as progress:
-            results = check(root, names, head=head, max_skew=max_skew, progress=progress)
+            results = check(
+                root,
+                names,
+                head=head,
+                max_skew=max_skew,
+                allow_uncommitted=allow_uncommitted,
+                progress=progress,
+            )
         _print_checks(results, fmt)
         if not all(r.ok for r in results):
             sys.exit(CHECK_FAILED)
@@ -182,12 +249,14 @@ def audit(
         return
     if sql == "-":
         sql = sys.stdin.read()
-    con = connect(root, head)
+    with _progress("running query"):
+        con = connect(root, head)
     try:
-        cursor = con.execute(sql)
+        with _progress("running query"):
+            cursor = con.execute(sql)
         if cursor.description is not None:  # a statement without a result prints nothing
             columns = [d[0] for d in cursor.description]
-            _print_rows(columns, _fetch(cursor), fmt)
+            _print_rows(columns, _fetch(cursor), fmt, max_rows=max_rows)
     finally:
         con.close()
 
@@ -213,9 +282,16 @@ def where_command(root: str, sample_id: int, head: str | None, fmt: str) -> None
 
     \b
         ledger where /runs/exp7 --sample 1234
-        ledger where /runs/exp7 --sample 1234 --format json
+        ledger where /runs/exp7 --sample 1234 --head 40 --format json
     """
-    h = where(root, sample_id, head)
+    from rich.table import Table
+
+    from ledger.audit.queries import where
+
+    _check_sample(root, sample_id)
+    head = _commit(root, head)
+    with _progress(f"finding sample {sample_id}"):
+        h = where(root, sample_id, head)
     rows = [dataclasses.astuple(c) for c in h.consumptions]
     columns = [f.name for f in dataclasses.fields(type(h.consumptions[0]))] if rows else []
     if fmt in ("json", "ndjson"):
@@ -249,6 +325,18 @@ def where_command(root: str, sample_id: int, head: str | None, fmt: str) -> None
     console.print(f"commits whose model saw it: {len(h.commits)}", soft_wrap=True)
     if h.commits:
         console.print(", ".join(h.commits), soft_wrap=True)
+
+
+def _check_sample(root: str, sample_id: int) -> None:
+    from ledger.commits import read_run
+    from ledger.store import Store
+
+    n = read_run(Store(root))["config"].get("dataset_len")
+    if sample_id < 0 or (n is not None and sample_id >= int(n)):
+        raise click.BadParameter(
+            f"sample {sample_id} is outside the dataset: its ids are 0 to {int(n or 0) - 1}",
+            param_hint="'--sample'",
+        )
 
 
 def _load_object(spec: str, kwargs: str | None) -> Any:
@@ -332,8 +420,14 @@ def show_command(
         ledger show /runs/exp7 --batch 41 --materialize \\
             --dataset examples/train_lm.py:StdlibWindows --dataset-kwargs '{"seq_len": 64}'
     """
+    from rich.table import Table
+
+    from ledger.audit.queries import materialize as materialize_batch
+    from ledger.audit.queries import show
+
     if materialize and dataset is None:
         raise click.UsageError("--materialize needs --dataset")
+    head = _commit(root, head)
     made = None
     if materialize:
         assert dataset is not None
@@ -378,7 +472,12 @@ def show_command(
 
 @main.command("reconstruct")
 @click.argument("root")
-@click.option("--commit", required=True, metavar="COMMIT", help="The checkpoint's commit id.")
+@click.option(
+    "--commit",
+    required=True,
+    metavar="COMMIT",
+    help="The checkpoint's commit: its step (40), STEP-ATTEMPT (40-1) or full id.",
+)
 @click.option(
     "--out", required=True, type=click.Path(dir_okay=False), help="Parquet file to write."
 )
@@ -392,11 +491,16 @@ def reconstruct_command(root: str, commit: str, out: str) -> None:
     Example:
 
     \b
-        ledger reconstruct /runs/exp7 --commit 000000000040-0000 --out seen.parquet
+        ledger reconstruct /runs/exp7 --commit 40 --out seen.parquet
         duckdb -c "SELECT count(DISTINCT sample_id) FROM 'seen.parquet'"
     """
+    from ledger.audit.queries import reconstruct
+
+    cid = _commit(root, commit)
+    assert cid is not None
     with _progress("reading commits") as progress:
-        rows = reconstruct(root, commit, out, progress)
+        rows = reconstruct(root, cid, out, progress)
+    commit = cid
     click.echo(f"wrote {rows} events of the lineage of {commit} to {out}")
 
 
@@ -417,6 +521,8 @@ def verify_command(root: str, fmt: str) -> None:
         ledger verify /runs/exp7
         ledger verify /runs/exp7 --format json
     """
+    from ledger.audit.checks import verify
+
     with _progress("hashing segments") as progress:
         v = verify(root, progress)
     _print_checks(v.results, fmt)
@@ -444,11 +550,15 @@ def report_command(root: str, out: str, head: str | None) -> None:
     """
     from ledger.audit.report import write_report
 
-    path = write_report(root, out, head)
+    head = _commit(root, head)
+    with _progress("scanning the log"):
+        path = write_report(root, out, head)
     click.echo(f"wrote {path}")
 
 
 def _print_checks(results: Sequence[CheckResult], fmt: str) -> None:
+    from rich.table import Table
+
     columns = ["check", "ok", "detail"]
     rows = [(r.check, r.ok, r.detail) for r in results]
     if fmt != "table":
@@ -463,8 +573,30 @@ def _print_checks(results: Sequence[CheckResult], fmt: str) -> None:
 # ---------------------------------------------------------------- formatting
 
 
+def _iso(value: datetime.datetime) -> str:
+    """ISO 8601 in UTC with a ``Z``; a naive time is UTC already (the views store UTC)."""
+    if value.tzinfo is not None:
+        value = value.astimezone(datetime.timezone.utc).replace(tzinfo=None)
+    return value.isoformat() + "Z"
+
+
+def _with_iso_times(rows: Iterator[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+    for row in rows:
+        yield tuple(_iso(v) if isinstance(v, datetime.datetime) else v for v in row)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, datetime.datetime):
+        return _iso(value)
+    return str(value)
+
+
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+    if isinstance(value, datetime.datetime):
+        return _iso(value)
+    if isinstance(value, (datetime.date, datetime.time)):
         return value.isoformat()
     if isinstance(value, decimal.Decimal):
         return int(value) if value == value.to_integral_value() else float(value)
@@ -474,17 +606,25 @@ def _jsonable(value: Any) -> Any:
 
 
 def _console(out: Any) -> Console:
+    from rich.console import Console
+
     # No markup, emoji or highlighting: values from the log are printed as they are.
     return Console(file=out, markup=False, emoji=False, highlight=False)
 
 
-def _print_rows(columns: Sequence[str], rows: Iterator[tuple[Any, ...]], fmt: str) -> None:
-    """Write ``rows`` to stdout in ``fmt``; csv and ndjson stream, table and json collect."""
+def _print_rows(
+    columns: Sequence[str], rows: Iterator[tuple[Any, ...]], fmt: str, max_rows: int = 0
+) -> None:
+    """Write ``rows`` to stdout in ``fmt``; csv and ndjson stream, table and json collect.
+
+    A table shows at most ``max_rows`` rows (0: all), the first and the last half, and
+    the row count, as DuckDB's command line does; no column is cut (ids are copied whole).
+    """
     out = sys.stdout
     if fmt == "csv":
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(columns)
-        writer.writerows(rows)
+        writer.writerows(_with_iso_times(rows))
     elif fmt == "ndjson":
         for row in rows:
             out.write(json.dumps(dict(zip(columns, row, strict=True)), default=_jsonable) + "\n")
@@ -492,13 +632,47 @@ def _print_rows(columns: Sequence[str], rows: Iterator[tuple[Any, ...]], fmt: st
         objects = [dict(zip(columns, row, strict=True)) for row in rows]
         out.write(json.dumps(objects, indent=2, default=_jsonable) + "\n")
     else:
-        table = Table(*columns)
-        for row in rows:
-            table.add_row(*("NULL" if v is None else str(v) for v in row))
-        _console(out).print(table)
+        _print_table(columns, rows, max_rows, out)
+
+
+def _print_table(
+    columns: Sequence[str], rows: Iterator[tuple[Any, ...]], max_rows: int, out: Any
+) -> None:
+    from rich.table import Table
+
+    first: list[tuple[str, ...]] = []
+    last: collections.deque[tuple[str, ...]] = collections.deque(maxlen=max_rows // 2 or None)
+    count = 0
+    for row in rows:
+        count += 1
+        cells = tuple(_cell(v) for v in row)
+        if not max_rows or len(first) < max_rows - max_rows // 2:
+            first.append(cells)
+        else:
+            last.append(cells)
+    hidden = count - len(first) - len(last)
+    shown = [*first, *([("…",) * len(columns)] if hidden else []), *last]
+    table = Table(*columns)
+    # Every column as wide as its longest cell: values are never cut or wrapped (ids are
+    # copied whole); a table wider than the terminal wraps as a whole, as DuckDB's does.
+    widths = [len(c) for c in columns]
+    for cells in shown:
+        widths = [max(w, len(c)) for w, c in zip(widths, cells, strict=True)]
+    for column, width in zip(table.columns, widths, strict=True):
+        column.min_width = width
+        column.no_wrap = True
+    for cells in shown:
+        table.add_row(*cells)
+    console = _console(out)
+    console.width = max(console.width, sum(widths) + 3 * len(widths) + 1)
+    console.print(table)
+    if hidden:
+        console.print(f"{count} rows ({len(first) + len(last)} shown)", soft_wrap=True)
 
 
 def _print_summary(s: Summary, fmt: str) -> None:
+    from rich.table import Table
+
     if fmt in ("json", "ndjson"):
         indent = 2 if fmt == "json" else None
         click.echo(json.dumps(dataclasses.asdict(s), indent=indent))

@@ -15,7 +15,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ledger.errors import CommitConflict, CommitNotFound, ConfigMismatch, LogCorrupted
+from ledger.errors import (
+    CommitConflict,
+    CommitNotFound,
+    ConfigMismatch,
+    LedgerError,
+    LogCorrupted,
+)
 from ledger.schema import SCHEMA_VERSION
 from ledger.store import Store
 
@@ -182,8 +188,19 @@ def read_run(store: Store) -> dict[str, Any]:
         CommitNotFound: if the root holds no run.
     """
     if not store.exists(RUN_FILE):
-        raise CommitNotFound(f"{store.uri} holds no ledger run (no {RUN_FILE})")
+        hint = "".join(f"; did you mean {store.uri}/{name}?" for name in _runs_below(store))
+        raise CommitNotFound(f"{store.uri} holds no ledger run (no {RUN_FILE}){hint}")
     return _load(store, RUN_FILE)
+
+
+def _runs_below(store: Store, limit: int = 64) -> list[str]:
+    """Directories directly under the root that hold a run (at most the first ``limit``
+    entries are looked at, so a mistyped root with many children stays cheap)."""
+    try:
+        names = store.ls("")[:limit]
+    except LedgerError:
+        return []
+    return [name for name in names if store.exists(f"{name}/{RUN_FILE}")][:3]
 
 
 # ---------------------------------------------------------------- attempts
@@ -349,6 +366,62 @@ def read_commit(store: Store, cid: str) -> Commit:
         return Commit.from_dict(data)
     except (KeyError, TypeError, ValueError) as e:
         raise LogCorrupted(f"commit marker {cid} lacks or mangles a field: {e!r}") from e
+
+
+def commit_ids(store: Store) -> list[str]:
+    """Ids of every commit marker under the root, sorted (by step, then attempt); lists
+    the ``commits/`` directory, reads no marker."""
+    return [
+        name[: -len(".json")]
+        for name in store.ls("commits")
+        if name.endswith(".json") and not name.startswith(".tmp-")
+    ]
+
+
+def resolve_commit(store: Store, text: str) -> str:
+    """The id of the commit a user names by its id, its step, or ``STEP-ATTEMPT``.
+
+    ``"40"``, ``"40-1"`` and ``"000000000040-0001"`` name the same commit; a step alone is
+    enough when one attempt committed at that step.
+
+    Args:
+        store: the log root.
+        text: what the user typed.
+
+    Returns:
+        The full commit id (``f"{step:012d}-{attempt:04d}"``).
+
+    Raises:
+        CommitNotFound: if no commit or several match; the message names the nearest
+            commits ("did you mean ...").
+    """
+    step_s, dash, attempt_s = text.strip().partition("-")
+    if not step_s.isdigit() or (dash and not attempt_s.isdigit()):
+        raise CommitNotFound(
+            f"{text!r} is not a commit id: give STEP, STEP-ATTEMPT or the full id "
+            "(e.g. 40, 40-1 or 000000000040-0001)"
+        )
+    step, attempt = int(step_s), int(attempt_s) if dash else None
+    if attempt is not None and store.exists(marker_path(commit_id(step, attempt))):
+        return commit_id(step, attempt)
+    ids = commit_ids(store)
+    parsed = [(int(i[:12]), int(i[13:]), i) for i in ids if len(i) == 17 and i[12] == "-"]
+    matches = [i for s, a, i in parsed if s == step and attempt in (None, a)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise CommitNotFound(
+            f"{len(matches)} commits are at step {step} in {store.uri}: did you mean "
+            f"{' or '.join(matches)}?"
+        )
+    wanted = text if attempt is None else commit_id(step, attempt)
+    if not parsed:
+        raise CommitNotFound(f"commit {wanted} does not exist: {store.uri} holds no commit")
+    nearest = sorted(parsed, key=lambda p: (abs(p[0] - step), p[1] != attempt, p[1]))[:3]
+    return_ids = " or ".join(i for _, _, i in sorted(nearest))
+    raise CommitNotFound(
+        f"commit {wanted} does not exist under {store.uri}: did you mean {return_ids}?"
+    )
 
 
 def list_commits(store: Store) -> list[Commit]:

@@ -67,13 +67,13 @@ def test_sql_json(root: str) -> None:
         "  {\n"
         '    "attempt": 0,\n'
         '    "parent": null,\n'
-        '    "created_at": "2025-01-02T00:00:00",\n'
+        '    "created_at": "2025-01-02T00:00:00Z",\n'
         '    "pids": 1000\n'
         "  },\n"
         "  {\n"
         '    "attempt": 1,\n'
         '    "parent": "000000000004-0000",\n'
-        '    "created_at": "2025-01-02T01:00:00",\n'
+        '    "created_at": "2025-01-02T01:00:00Z",\n'
         '    "pids": 1001\n'
         "  }\n"
         "]\n"
@@ -235,7 +235,8 @@ def test_missing_root(tmp_path: Path) -> None:
 def test_unknown_head(root: str) -> None:
     assert_user_error(
         run("audit", root, "--head", "000000000099-0000"),
-        f"Error: commit 000000000099-0000 does not exist under {root}",
+        f"Error: commit 000000000099-0000 does not exist under {root}: did you mean "
+        "000000000006-0001 or 000000000007-0001 or 000000000007-0002?",
     )
 
 

@@ -162,13 +162,24 @@ def test_where_a_sample_only_an_abandoned_model_saw(tmp_path: Path) -> None:
     assert got["commits"] == ["000000000002-0000", "000000000002-0001"]
 
 
-def test_where_an_unknown_sample(root: str) -> None:
-    result = run("where", root, "--sample", "99")
+def test_where_a_sample_never_consumed(root: str) -> None:
+    # Sample 4: skipped by drop_last in epoch 0 (position 9), in no consumed batch since.
+    result = run("where", root, "--sample", "4")
     assert result.exit_code == 0
     assert result.stdout == (
-        "sample 99: 0 consumptions, 0 in the lineage of 000000000007-0002\n"
+        "sample 4: 0 consumptions, 0 in the lineage of 000000000007-0002\n"
         "commits whose model saw it: 0\n"
     )
+
+
+def test_where_a_sample_outside_the_dataset(root: str) -> None:
+    for sample in ("10", "-1"):
+        result = run("where", root, "--sample", sample)
+        assert result.exit_code == 2
+        assert result.stderr.endswith(
+            f"Error: Invalid value for '--sample': sample {sample} is outside the dataset: "
+            "its ids are 0 to 9\n"
+        )
 
 
 # ---------------------------------------------------------------- show

@@ -14,6 +14,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ledger.audit.names import CHECKS
 from ledger.audit.scan import Progress
 from ledger.audit.summary import Summary, counts, summarize
 from ledger.audit.views import connect
@@ -22,9 +23,6 @@ from ledger.errors import LedgerError
 from ledger.schema import EVENT_SCHEMA
 from ledger.segments import orphans
 from ledger.store import Store, sha256
-
-CHECKS = ("coverage", "duplicates", "skips", "abandoned", "progress", "skew")
-"""Names of the checks :func:`check` runs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +54,7 @@ def check(
     *,
     head: str | None = None,
     max_skew: int | None = None,
+    allow_uncommitted: int = 0,
     progress: Progress | None = None,
 ) -> list[CheckResult]:
     """Run the named checks on the lineage of ``head``.
@@ -69,6 +68,8 @@ def check(
       off the lineage holds samples, no journal holds uncommitted batches, no orphan
       segment exists. Fails after any resume from an older checkpoint than the last
       commit, or any crash: the detail says how much work was lost.
+      ``allow_uncommitted`` accepts crash tails: up to that many uncommitted batches per
+      attempt.
     - ``progress``: along the lineage each rank's epoch and batch index never go back,
       and its epochs follow one another without a gap.
     - ``skew``: at every commit of the lineage, the ranks of an attempt are within
@@ -79,6 +80,9 @@ def check(
         names: checks to run, from :data:`CHECKS`.
         head: head commit (default: the newest commit of the newest attempt).
         max_skew: the ``skew`` check's limit in samples.
+        allow_uncommitted: batches per attempt that the ``abandoned`` check accepts in
+            journals past the attempt's last commit (what a killed process consumed after
+            its last checkpoint; the checkpoint interval accepts every crash).
         progress: called with ``(segments done, segments in all)`` during the scan.
 
     Returns:
@@ -115,7 +119,7 @@ def check(
             elif name == "skips":
                 results.append(_skips(summary, config))
             elif name == "abandoned":
-                results.append(_abandoned(store, summary))
+                results.append(_abandoned(store, summary, allow_uncommitted))
             elif name == "progress":
                 results.append(_progress(con))
             else:
@@ -173,21 +177,36 @@ def _skips(s: Summary, config: dict) -> CheckResult:
     return CheckResult("skips", True, f"{total} samples skipped, at most {limit} per epoch")
 
 
-def _abandoned(store: Store, s: Summary) -> CheckResult:
-    lost = sum(a.uncommitted_samples for a in s.attempts)
-    lost_batches = sum(a.uncommitted_batches for a in s.attempts)
+def _abandoned(store: Store, s: Summary, allow_uncommitted: int = 0) -> CheckResult:
+    tails = [a for a in s.attempts if 0 < a.uncommitted_batches <= allow_uncommitted]
+    over = [a for a in s.attempts if a.uncommitted_batches > allow_uncommitted]
+    lost = sum(a.uncommitted_samples for a in over)
+    lost_batches = sum(a.uncommitted_batches for a in over)
     orphaned = _orphans(store, list_commits(store))
     parts = []
     if s.abandoned_samples:
         parts.append(
             f"{s.abandoned_commits} commits off the lineage hold {s.abandoned_samples} samples"
         )
-    if lost:
-        parts.append(f"journals hold {lost_batches} uncommitted batches ({lost} samples)")
+    if lost_batches:
+        where = ", ".join(str(a.attempt) for a in over[:5])
+        limit = f" (over the {allow_uncommitted} allowed)" if allow_uncommitted else ""
+        parts.append(
+            f"journals hold {lost_batches} uncommitted batches ({lost} samples) in "
+            f"attempt(s) {where}{limit}"
+        )
     if orphaned:
         parts.append(f"{len(orphaned)} orphan segments ({orphaned[0]} ...)")
     if parts:
         return CheckResult("abandoned", False, "; ".join(parts))
+    if tails:
+        batches = sum(a.uncommitted_batches for a in tails)
+        return CheckResult(
+            "abandoned",
+            True,
+            f"every committed sample is in the lineage; {len(tails)} crash tails of "
+            f"{batches} uncommitted batches accepted (at most {allow_uncommitted} per attempt)",
+        )
     return CheckResult("abandoned", True, "every sample a model saw is in the lineage")
 
 

@@ -95,9 +95,6 @@ from ledger.journal import uncommitted
 from ledger.schema import EVENT_SCHEMA, chunks_to_table
 from ledger.store import Store
 
-VIEWS = ("events", "lineage", "commits", "segments", "states", "attempts", "run")
-"""Names of the views :func:`connect` creates."""
-
 # String columns are read as Arrow dictionaries, which DuckDB scans as VARCHAR without
 # building a string per row: filtering on `kind` is ~3x faster than with plain strings.
 _DICT = pa.dictionary(pa.int32(), pa.string())
