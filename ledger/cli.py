@@ -45,18 +45,34 @@ CHECK_FAILED = 3
 
 
 class _Group(click.Group):
-    """A group that turns user errors from any command into one clean line and exit 1."""
+    """The one place errors become output: every command's error is one ``Error:`` line on
+    stderr and exit status 1, never a traceback.
+
+    A :class:`ledger.errors.LedgerError` (a damaged log names its file and field; a bad
+    argument says what to pass) and an error in the user's SQL print their message. Any
+    other exception is a bug in ledger: it prints one line saying so, and the traceback
+    only when ``LEDGER_DEBUG=1``.
+    """
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
         except LedgerError as e:
+            raise click.ClickException(_one_line(str(e))) from e
+        except OSError as e:  # the output path: a missing folder, no permission, disk full
             raise click.ClickException(_one_line(str(e))) from e
         except Exception as e:
             duckdb = sys.modules.get("duckdb")  # loaded by any command that ran SQL
             if duckdb is not None and isinstance(e, duckdb.Error):
                 raise click.ClickException(_one_line(str(e))) from e
-            raise
+            if os.environ.get("LEDGER_DEBUG") == "1":
+                raise
+            raise click.ClickException(
+                f"unexpected {type(e).__name__}: {_one_line(str(e))} (a bug in ledger: please "
+                "report it; LEDGER_DEBUG=1 shows the traceback)"
+            ) from e
 
 
 def _one_line(message: str) -> str:
@@ -84,6 +100,10 @@ def main() -> None:
 
     Exit status: 0 on success, 1 on an error (one line on stderr), 2 on a usage error,
     3 when a check fails (audit --check, verify, show --materialize).
+
+    A damaged log: audit --check and verify report it as a failed check (exit 3);
+    audit, where, show, reconstruct and report print one Error: line naming the file
+    (exit 1). No command prints a traceback.
 
     Example:
 
@@ -718,6 +738,11 @@ def _print_summary(s: Summary, fmt: str) -> None:
         "samples seen by discarded models",
         soft_wrap=True,
     )
+    if s.unreadable_journal_records:
+        console.print(
+            f"{s.unreadable_journal_records} journal records unreadable (damaged, skipped)",
+            soft_wrap=True,
+        )
     if len(s.ranks) > 1 or s.skew is not None:
         ranks = Table(
             "rank", "epoch", "epoch batch", "batches", "samples", "behind",

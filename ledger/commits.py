@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
 
@@ -24,6 +25,7 @@ from ledger.errors import (
 )
 from ledger.schema import SCHEMA_VERSION
 from ledger.store import Store
+from ledger.validate import items, obj, relative_path, require, sha256_hex
 
 RUN_FILE = "run.json"
 
@@ -41,7 +43,7 @@ def _load(store: Store, rel: str) -> dict[str, Any]:
     raw = store.read_bytes(rel)
     try:
         data = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise LogCorrupted(f"{store.full(rel)} is not valid JSON: {e}") from e
     version = data.get("version") if isinstance(data, dict) else None
     if not isinstance(data, dict) or version != SCHEMA_VERSION:
@@ -84,9 +86,31 @@ class WorkerState:
     tails: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> WorkerState:
-        tails = tuple((int(a), int(b), int(c)) for a, b, c in d.get("tails", ()))
-        return cls(**{**d, "tails": tails})
+    def from_dict(cls, d: dict[str, Any], where: str = "a worker state") -> WorkerState:
+        """Parse a worker state from JSON.
+
+        Raises:
+            LogCorrupted: naming ``where`` and the field, if a field is missing or mangled.
+        """
+        known = {f.name: f.default for f in fields(cls)}
+        unknown = sorted(set(obj(d, where)) - set(known))
+        if unknown:
+            raise LogCorrupted(f"{where}: unknown field {unknown[0]!r} in a worker state")
+        tails = []
+        for t in items(d, "tails", where, default=()):
+            if not (isinstance(t, (list, tuple)) and len(t) == 3 and all(_is_int(v) for v in t)):
+                raise LogCorrupted(f"{where}: field 'tails' holds {t!r}, not 3 integers")
+            tails.append((int(t[0]), int(t[1]), int(t[2])))
+        ints = {
+            name: require(d, name, int, where, default=default, minimum=-1)
+            for name, default in known.items()
+            if name != "tails"
+        }
+        return cls(**ints, tails=tuple(tails))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,16 +142,22 @@ class PipelineState:
     origin: str = ""
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> PipelineState:
+    def from_dict(cls, d: dict[str, Any], where: str = "a pipeline state") -> PipelineState:
+        """Parse a pipeline state from JSON.
+
+        Raises:
+            LogCorrupted: naming ``where`` and the field, if a field is missing or mangled.
+        """
+        workers = items(d, "workers", where, default=())
         return cls(
-            int(d["rank"]),
-            int(d["epoch"]),
-            int(d["epoch_batch"]),
-            int(d["batch"]),
-            tuple(WorkerState.from_dict(w) for w in d.get("workers", ())),
-            int(d.get("next_worker", 0)),
-            int(d.get("epoch_start", 0)),
-            str(d.get("origin", "")),
+            require(d, "rank", int, where, minimum=0),
+            require(d, "epoch", int, where, minimum=0),
+            require(d, "epoch_batch", int, where, minimum=0),
+            require(d, "batch", int, where, minimum=0),
+            tuple(WorkerState.from_dict(w, f"{where}, worker {i}") for i, w in enumerate(workers)),
+            require(d, "next_worker", int, where, default=0, minimum=0),
+            require(d, "epoch_start", int, where, default=0, minimum=0),
+            require(d, "origin", str, where, default=""),
         )
 
 
@@ -173,7 +203,7 @@ def open_run(store: Store, config: dict[str, Any]) -> str:
             return str(run["run_id"])
         except CommitConflict:
             pass  # another process created it first: check against theirs
-    existing = _load(store, RUN_FILE)
+    existing = read_run(store)
     logged: dict[str, Any] = existing["config"]
     for key in sorted((set(logged) | set(config)) - set(ELASTIC_KEYS)):
         if logged.get(key) != config.get(key):
@@ -186,11 +216,37 @@ def read_run(store: Store) -> dict[str, Any]:
 
     Raises:
         CommitNotFound: if the root holds no run.
+        LogCorrupted: if ``run.json`` is not JSON, of another version, or lacks or
+            mangles ``run_id``, ``created_at``, ``config`` or a typed config key.
     """
     if not store.exists(RUN_FILE):
         hint = "".join(f"; did you mean {store.uri}/{name}?" for name in _runs_below(store))
         raise CommitNotFound(f"{store.uri} holds no ledger run (no {RUN_FILE}){hint}")
-    return _load(store, RUN_FILE)
+    try:
+        run = _load(store, RUN_FILE)
+    except FileNotFoundError as e:  # removed between the two calls
+        raise CommitNotFound(f"{store.uri} holds no ledger run (no {RUN_FILE})") from e
+    where = store.full(RUN_FILE)
+    require(run, "run_id", str, where)
+    require(run, "created_at", str, where)
+    config = require(run, "config", dict, where)
+    for key, kind in _RUN_CONFIG.items():
+        require(config, key, kind, f"{where}, config", default=None, nullable=True)
+    return run
+
+
+# Config keys readers rely on, with their types (checked when present).
+_RUN_CONFIG: dict[str, type | tuple[type, ...]] = {
+    "dataset_len": int,
+    "seed": int,
+    "batch_size": int,
+    "shuffle": bool,
+    "drop_last": bool,
+    "world_size": int,
+    "order": str,
+    "per_sample_rng": bool,
+    "source": list,
+}
 
 
 def _runs_below(store: Store, limit: int = 64) -> list[str]:
@@ -205,6 +261,36 @@ def _runs_below(store: Store, limit: int = 64) -> list[str]:
 
 # ---------------------------------------------------------------- attempts
 
+ATTEMPT_NAME = re.compile(r"^[0-9]{1,9}\.json$")
+"""Names of attempt records under ``attempts/``; other files there are ignored."""
+
+
+def read_attempt(store: Store, name: str) -> dict[str, Any]:
+    """Read and check the attempt record ``attempts/<name>``.
+
+    Returns:
+        Its fields: ``attempt`` (int), ``parent`` (str or None), ``world_size`` (int),
+        ``created_at`` (str or None), ``host`` (str or None), ``pid`` (int or None).
+
+    Raises:
+        LogCorrupted: naming the file and the field, if it is not a valid record.
+        FileNotFoundError: if it does not exist.
+    """
+    rel = f"attempts/{name}"
+    where = store.full(rel)
+    a = _load(store, rel)
+    attempt = require(a, "attempt", int, where, minimum=0)
+    if ATTEMPT_NAME.match(name) and int(name[: -len(".json")]) != attempt:
+        raise LogCorrupted(f"{where}: field 'attempt' is {attempt}, its name says otherwise")
+    return {
+        "attempt": attempt,
+        "parent": require(a, "parent", str, where, nullable=True),
+        "world_size": require(a, "world_size", int, where, minimum=1),
+        "created_at": require(a, "created_at", str, where, default=None, nullable=True),
+        "host": require(a, "host", str, where, default=None, nullable=True),
+        "pid": require(a, "pid", int, where, default=None, nullable=True),
+    }
+
 
 def claim_attempt(store: Store, parent: str | None, world_size: int) -> int:
     """Claim the next attempt number by creating ``attempts/<A>.json`` exclusively.
@@ -217,7 +303,7 @@ def claim_attempt(store: Store, parent: str | None, world_size: int) -> int:
     Returns:
         The attempt number: one more than the largest existing one (0 for a new run).
     """
-    existing = [int(n.split(".")[0]) for n in store.ls("attempts") if n.endswith(".json")]
+    existing = [int(n[: -len(".json")]) for n in store.ls("attempts") if ATTEMPT_NAME.match(n)]
     attempt = max(existing, default=-1) + 1
     while True:
         record = {
@@ -300,17 +386,40 @@ class Commit:
         return _dump(d)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Commit:
+    def from_dict(cls, d: dict[str, Any], where: str = "a commit marker") -> Commit:
+        """Parse a marker from JSON.
+
+        Raises:
+            LogCorrupted: naming ``where`` and the field, if a field is missing or mangled.
+        """
+        segs = items(d, "segments", where)
+        states = items(d, "states", where)
         return cls(
-            id=str(d["id"]),
-            step=int(d["step"]),
-            attempt=int(d["attempt"]),
-            parent=d["parent"],
-            world_size=int(d["world_size"]),
-            created_at=str(d["created_at"]),
-            segments=tuple(SegmentRef(**s) for s in d["segments"]),
-            states=tuple(PipelineState.from_dict(s) for s in d["states"]),
+            id=require(d, "id", str, where),
+            step=require(d, "step", int, where, minimum=0),
+            attempt=require(d, "attempt", int, where, minimum=0),
+            parent=require(d, "parent", str, where, nullable=True),
+            world_size=require(d, "world_size", int, where, minimum=1),
+            created_at=require(d, "created_at", str, where),
+            segments=tuple(_segment_ref(s, f"{where}, segment {i}") for i, s in enumerate(segs)),
+            states=tuple(
+                PipelineState.from_dict(s, f"{where}, state {i}") for i, s in enumerate(states)
+            ),
         )
+
+
+def _segment_ref(d: Any, where: str) -> SegmentRef:
+    return SegmentRef(
+        rank=require(d, "rank", int, where, minimum=0),
+        path=relative_path(d, "path", where),
+        rows=require(d, "rows", int, where, minimum=0),
+        bytes=require(d, "bytes", int, where, minimum=0),
+        sha256=sha256_hex(d, "sha256", where),
+    )
+
+
+COMMIT_NAME = re.compile(r"^[0-9]+-[0-9]+\.json$")
+"""Names of commit markers under ``commits/``; other files there are ignored."""
 
 
 def commit_id(step: int, attempt: int) -> str:
@@ -356,26 +465,28 @@ def read_commit(store: Store, cid: str) -> Commit:
     """Read one commit marker.
 
     Raises:
-        CommitNotFound: if no marker ``cid`` exists under the root.
+        CommitNotFound: if no marker ``cid`` exists under the root, or ``cid`` is not a
+            commit id.
+        LogCorrupted: if the marker is not JSON, of another version, lacks or mangles a
+            field, or names another id (the message names the file and the field).
     """
+    if not COMMIT_NAME.match(f"{cid}.json"):
+        raise CommitNotFound(f"{cid!r} is not a commit id (STEP-ATTEMPT, e.g. 000000000040-0000)")
     try:
         data = _load(store, marker_path(cid))
     except FileNotFoundError as e:
         raise CommitNotFound(f"commit {cid} does not exist under {store.uri}") from e
-    try:
-        return Commit.from_dict(data)
-    except (KeyError, TypeError, ValueError) as e:
-        raise LogCorrupted(f"commit marker {cid} lacks or mangles a field: {e!r}") from e
+    where = store.full(marker_path(cid))
+    commit = Commit.from_dict(data, where)
+    if commit.id != cid:
+        raise LogCorrupted(f"{where}: field 'id' is {commit.id!r}, its name says {cid!r}")
+    return commit
 
 
 def commit_ids(store: Store) -> list[str]:
     """Ids of every commit marker under the root, sorted (by step, then attempt); lists
     the ``commits/`` directory, reads no marker."""
-    return [
-        name[: -len(".json")]
-        for name in store.ls("commits")
-        if name.endswith(".json") and not name.startswith(".tmp-")
-    ]
+    return [name[: -len(".json")] for name in store.ls("commits") if COMMIT_NAME.match(name)]
 
 
 def resolve_commit(store: Store, text: str) -> str:
@@ -425,11 +536,17 @@ def resolve_commit(store: Store, text: str) -> str:
 
 
 def list_commits(store: Store) -> list[Commit]:
-    """Every commit marker under the root, sorted by (attempt, step)."""
+    """Every commit marker under the root, sorted by (attempt, step).
+
+    Files under ``commits/`` whose names are not commit ids are ignored.
+
+    Raises:
+        LogCorrupted: if a marker is damaged (see :func:`read_commit`).
+    """
     out = [
         read_commit(store, name[: -len(".json")])
         for name in store.ls("commits")
-        if name.endswith(".json") and not name.startswith(".tmp-")
+        if COMMIT_NAME.match(name)
     ]
     return sorted(out, key=lambda c: (c.attempt, c.step))
 

@@ -10,27 +10,43 @@ loss (no fsync per batch). The journal is always a local file, also for an objec
 root (:func:`ledger.log.default_journal_dir`): the next attempt of the rank uploads it to
 ``ROOT/journal/`` if it holds uncommitted batches.
 
-Record layout (msgpack arrays):
+Framing (version 2): every record is a frame ``MAGIC (4 bytes) | length (uint32 LE) |
+CRC-32 of the payload (uint32 LE, zlib's, ISO 3309) | payload``, the payload a msgpack
+array:
 
 * header: ``["ledger-journal", version, attempt, rank, after_commit or None]``
 * event: ``[kind, epoch, batch, worker, first_position, ids_bytes, extras]``; ``extras``
   is ``None`` or a map of the optional columns: ``positions``, ``token_start``,
   ``token_end``, ``length`` (raw ``int64`` bytes) and ``values`` (list of str or nil).
+  Readers ignore keys they do not know, so writers may add columns.
+
+The reader is tolerant: a frame whose checksum, msgpack or fields are wrong is skipped
+and counted (it resynchronises on the next ``MAGIC``), a torn final frame (a crash
+mid-write) is dropped, and neither ever raises. Version 1 journals (bare msgpack arrays,
+no checksums) are still read.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import struct
+import zlib
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import msgpack
 import numpy as np
 
-from ledger.schema import SAMPLE, SCHEMA_VERSION, SPAN, EventChunk
+from ledger.schema import KINDS, SAMPLE, SPAN, EventChunk
 
 MAGIC = "ledger-journal"
+VERSION = 2
+"""Journal format version (1: bare msgpack arrays; 2: checksummed frames)."""
+_FRAME = struct.Struct("<4sII")
+_FRAME_MAGIC = b"\xffLJ\xfe"
+_MAX_RECORD = 1 << 30  # bytes; a larger length field is damage, not a record
 _ARRAYS = ("positions", "token_start", "token_end", "length")
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 def journal_path(attempt: int, rank: int) -> str:
@@ -71,14 +87,13 @@ class Journal:
             }
             extras["values"] = chunk.values
         record = [chunk.kind, chunk.epoch, chunk.batch, chunk.worker, chunk.position, ids.data]
-        return cast(bytes, self._pack([*record, extras]))
+        return _frame(cast(bytes, self._pack([*record, extras])))
 
     def reset(self, after_commit: str | None) -> None:
         """Empty the journal after a commit; the header names that commit."""
         os.ftruncate(self._fd, 0)
-        os.write(
-            self._fd, self._pack([MAGIC, SCHEMA_VERSION, self.attempt, self.rank, after_commit])
-        )
+        header = self._pack([MAGIC, VERSION, self.attempt, self.rank, after_commit])
+        os.write(self._fd, _frame(header))
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -86,53 +101,175 @@ class Journal:
             self._fd = -1
 
 
+def _frame(payload: bytes) -> bytes:
+    return _FRAME.pack(_FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+@dataclass(slots=True)
+class JournalContents:
+    """What :func:`parse_journal` read from a journal.
+
+    Attributes:
+        header: ``version, attempt, rank, after_commit``; ``None`` if the header record
+            is missing or damaged.
+        chunks: the event records that passed their checksum and checks, in order.
+        unreadable: damaged records skipped (a checksum, msgpack or field that is wrong;
+            a run of damaged bytes counts once). A torn final record is not counted.
+        torn: the file ends inside a record (a crash mid-write).
+    """
+
+    header: dict[str, Any] | None = None
+    chunks: list[EventChunk] = field(default_factory=list)
+    unreadable: int = 0
+    torn: bool = False
+
+
+class _Bad(Exception):
+    """A record that does not parse or check."""
+
+
+def _int(value: Any, lo: int = _INT64[0]) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= _INT64[1]:
+        raise _Bad(f"{value!r} is not an integer >= {lo}")
+    return value
+
+
+def _array(raw: Any, rows: int | None) -> np.ndarray:
+    if not isinstance(raw, bytes) or len(raw) % 8 or (rows is not None and len(raw) != 8 * rows):
+        raise _Bad("an int64 column of the wrong size")
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64)
+
+
+def _header(rec: Any) -> dict[str, Any]:
+    if not (isinstance(rec, list) and len(rec) == 5 and rec[0] == MAGIC):
+        raise _Bad("not a journal header")
+    after = rec[4]
+    if after is not None and not isinstance(after, str):
+        raise _Bad("after_commit is not a string")
+    return {"version": _int(rec[1], 1), "attempt": _int(rec[2], 0), "rank": _int(rec[3], 0),
+            "after_commit": after}  # fmt: skip
+
+
+def _chunk(rec: Any) -> EventChunk:
+    """An event record as a chunk; raises :class:`_Bad` for any field that is wrong."""
+    if not (isinstance(rec, list) and len(rec) == 7):
+        raise _Bad("not an event record")
+    kind, epoch, batch, worker, position, raw, extras = rec
+    if kind not in KINDS:
+        raise _Bad(f"unknown kind {kind!r}")
+    ids = _array(raw, None)
+    arrays: dict[str, np.ndarray] = {}
+    values = None
+    if extras is not None:
+        if not isinstance(extras, dict):
+            raise _Bad("extras is not a map")
+        for name in _ARRAYS:
+            if extras.get(name) is not None:
+                arrays[name] = _array(extras[name], ids.size)
+        values = extras.get("values")
+        if values is not None and not (
+            isinstance(values, list)
+            and len(values) == ids.size
+            and all(v is None or isinstance(v, str) for v in values)
+        ):
+            raise _Bad("values is not a list of strings, one per row")
+    return EventChunk(
+        kind, _int(epoch, 0), _int(batch, 0), _int(worker, -1), _int(position), ids,
+        values=values, **arrays,
+    )  # fmt: skip
+
+
+def _unpack(payload: bytes) -> Any:
+    try:
+        return msgpack.unpackb(payload, raw=False)
+    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as e:
+        raise _Bad(f"not msgpack: {e}") from None
+
+
+def parse_journal(data: bytes) -> JournalContents:
+    """Parse a journal tolerantly; never raises.
+
+    Args:
+        data: the journal file's bytes.
+
+    Returns:
+        The header, the intact records, and how many were damaged (see
+        :class:`JournalContents`). Chunks whose batch was already committed (a crash
+        between the commit marker and the journal reset) are still returned; compare
+        ``batch`` with the commit's state.
+    """
+    if data[:4] != _FRAME_MAGIC:
+        return _parse_v1(data)
+    out = JournalContents()
+    pos, end, in_sync = 0, len(data), True
+    while pos < end:
+        if data[pos : pos + 4] == _FRAME_MAGIC and pos + _FRAME.size <= end:
+            _, length, crc = _FRAME.unpack_from(data, pos)
+            body = pos + _FRAME.size
+            if body + length > end and in_sync and data.find(_FRAME_MAGIC, pos + 1) < 0:
+                out.torn = True  # the last record was cut short
+                break
+            payload = data[body : body + length]
+            if length <= _MAX_RECORD and len(payload) == length and zlib.crc32(payload) == crc:
+                try:
+                    rec = _unpack(payload)
+                    if pos == 0:
+                        out.header = _header(rec)
+                    else:
+                        out.chunks.append(_chunk(rec))
+                except _Bad:
+                    out.unreadable += 1  # a record written well that does not check
+                pos, in_sync = body + length, True
+                continue
+        if in_sync:
+            out.unreadable += 1  # damage starts here; look for the next frame
+            in_sync = False
+        nxt = data.find(_FRAME_MAGIC, pos + 1)
+        pos = end if nxt < 0 else nxt
+    return out
+
+
+def _parse_v1(data: bytes) -> JournalContents:
+    """Version 1: bare msgpack arrays, no checksums; reading stops at the first damage."""
+    out = JournalContents()
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(data)
+    try:
+        out.header = _header(next(unpacker))
+    except (StopIteration, _Bad, ValueError, TypeError, RecursionError, msgpack.UnpackException):
+        out.unreadable = 1 if data else 0
+        return out
+    try:
+        for rec in unpacker:
+            out.chunks.append(_chunk(rec))
+    except _Bad:
+        out.unreadable += 1
+    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException):
+        out.torn = True  # a torn tail: everything before it is intact
+    return out
+
+
 def read_journal(data: bytes) -> tuple[dict[str, object], list[EventChunk]]:
-    """Parse a journal tolerantly: a torn final record (crash mid-write) is dropped.
+    """Parse a journal tolerantly (see :func:`parse_journal`), keeping its header.
 
     Args:
         data: the journal file's bytes.
 
     Returns:
         ``(header, chunks)``; header keys: ``version, attempt, rank, after_commit``.
-        Chunks whose batch was already committed (a crash between the commit marker and
-        the journal reset) are still returned; compare ``batch`` with the commit's state.
 
     Raises:
-        ValueError: if the data does not start with a journal header.
+        ValueError: if the data does not start with an intact journal header.
     """
-    unpacker = msgpack.Unpacker(raw=False)
-    unpacker.feed(data)
-    records: Iterator[object] = iter(unpacker)
-    try:
-        head = next(records)
-    except (StopIteration, ValueError, msgpack.UnpackException) as e:
-        raise ValueError("not a ledger journal: no header") from e
-    if not (isinstance(head, list) and len(head) == 5 and head[0] == MAGIC):
-        raise ValueError(f"not a ledger journal: header is {head!r}")
-    header = {"version": head[1], "attempt": head[2], "rank": head[3], "after_commit": head[4]}
-    chunks: list[EventChunk] = []
-    try:
-        for rec in records:
-            kind, epoch, batch, worker, position, raw, extras = cast(list[Any], rec)
-            assert isinstance(raw, bytes)
-            ids = np.frombuffer(raw, dtype="<i8").astype(np.int64)
-            arrays = {
-                name: np.frombuffer(extras[name], dtype="<i8").astype(np.int64)
-                for name in _ARRAYS
-                if extras and extras.get(name) is not None
-            }
-            values = extras.get("values") if extras else None
-            chunks.append(
-                EventChunk(kind, epoch, batch, worker, position, ids, values=values, **arrays)
-            )
-    except (ValueError, TypeError, AssertionError, msgpack.UnpackException):
-        pass  # a torn tail: everything before it is intact
-    return header, chunks
+    contents = parse_journal(data)
+    if contents.header is None:
+        raise ValueError("not a ledger journal: no intact header")
+    return contents.header, contents.chunks
 
 
 def uncommitted(
     journals: dict[tuple[int, int], bytes], committed: dict[tuple[int, int], int]
-) -> dict[tuple[int, int], list[EventChunk]]:
+) -> tuple[dict[tuple[int, int], list[EventChunk]], dict[tuple[int, int], int]]:
     """The journaled batches that no commit covers: what reached a training loop and was
     never committed (a crashed attempt's lost work, or a live attempt's work in flight).
 
@@ -143,15 +280,14 @@ def uncommitted(
             marker and the journal reset leaves such batches in the journal).
 
     Returns:
-        By ``(attempt, rank)``: the uncommitted ``sample`` chunks, in journal order.
-        Unreadable journals are skipped.
+        ``(chunks, unreadable)``: by ``(attempt, rank)``, the uncommitted ``sample`` and
+        ``span`` chunks in journal order, and the damaged records skipped in each journal.
     """
     out: dict[tuple[int, int], list[EventChunk]] = {}
+    unreadable: dict[tuple[int, int], int] = {}
     for key, data in journals.items():
-        try:
-            _, chunks = read_journal(data)
-        except ValueError:
-            continue
+        contents = parse_journal(data)
+        unreadable[key] = contents.unreadable
         floor = committed.get(key, -1)
-        out[key] = [c for c in chunks if c.kind in (SAMPLE, SPAN) and c.batch >= floor]
-    return out
+        out[key] = [c for c in contents.chunks if c.kind in (SAMPLE, SPAN) and c.batch >= floor]
+    return out, unreadable

@@ -41,6 +41,7 @@ from ledger.schema import ORDER_ALGORITHM, SAMPLE, SKIP, EventChunk, batch_event
 from ledger.store import Store
 from ledger.stream.driver import StreamDriver
 from ledger.stream.pipeline import Stream
+from ledger.validate import require
 
 TOKEN_VERSION = 1
 _TOKEN_KEYS = ("version", "root", "run_id", "commit", "attempt", "world_size", "step")
@@ -680,16 +681,30 @@ def _normal_root(root: str) -> str:
 
 
 def _check_token(token: Any) -> dict[str, Any]:
+    """``token`` if it is a ledger token of this version, with fields of the right types.
+
+    Raises:
+        TokenError: naming the field that is missing or mangled.
+    """
     if not isinstance(token, dict):
         raise TokenError(f"a ledger token is a dict, got {type(token).__name__}")
     missing = [k for k in _TOKEN_KEYS if k not in token]
     if missing:
         raise TokenError(f"the token lacks {', '.join(missing)}: it is not a ledger token")
-    if token["version"] != TOKEN_VERSION:
+    version = token["version"]
+    if not isinstance(version, int) or isinstance(version, bool) or version != TOKEN_VERSION:
         raise TokenError(
-            f"token version {token['version']} is not supported (this ledger reads "
-            f"version {TOKEN_VERSION})"
+            f"token version {version!r} ({type(version).__name__}) is not supported (this "
+            f"ledger reads version {TOKEN_VERSION}, an integer)"
         )
+    where = "the checkpoint token"
+    for key in ("root", "run_id", "commit"):
+        require(token, key, str, where, error=TokenError)
+    if not token["root"]:
+        raise TokenError(f"{where}: field 'root' is empty")
+    require(token, "attempt", int, where, minimum=-1, error=TokenError)
+    require(token, "world_size", int, where, minimum=1, error=TokenError)
+    require(token, "step", int, where, minimum=0, error=TokenError)
     return token
 
 

@@ -128,7 +128,12 @@ class SegmentBuilder:
 
 
 def open_segment(
-    store: Store, rel: str, *, rows: int | None = None, checksum: str | None = None
+    store: Store,
+    rel: str,
+    *,
+    rows: int | None = None,
+    checksum: str | None = None,
+    size: int | None = None,
 ) -> pq.ParquetFile:
     """Open a segment for reading, checking its checksum and row count when given.
 
@@ -137,6 +142,7 @@ def open_segment(
         rel: relative path of the segment.
         rows: expected number of rows (from the commit marker), or ``None``.
         checksum: expected hex SHA-256 of the file, or ``None`` to skip the check.
+        size: expected size in bytes, or ``None``.
 
     Returns:
         The Parquet file, read from memory (row groups can be read one by one).
@@ -144,21 +150,28 @@ def open_segment(
     Raises:
         LogCorrupted: if the file is missing, unreadable, or differs from the marker.
     """
+    where = store.full(rel)
     try:
         data = store.read_bytes(rel)
     except FileNotFoundError as e:
-        raise LogCorrupted(f"segment {rel} named by a commit marker is missing") from e
-    if checksum is not None and sha256(data) != checksum:
+        raise LogCorrupted(f"segment {where} named by a commit marker is missing") from e
+    if size is not None and len(data) != size:
         raise LogCorrupted(
-            f"segment {rel} has sha256 {sha256(data)}, its commit marker says {checksum}: "
+            f"segment {where} has {len(data)} bytes, its commit marker says {size}: the file "
+            "was altered after commit"
+        )
+    if checksum is not None and (found := sha256(data)) != checksum:
+        raise LogCorrupted(
+            f"segment {where} has sha256 {found}, its commit marker says {checksum}: "
             "the file was altered after commit"
         )
     try:
         pf = pq.ParquetFile(pa.BufferReader(data))
-    except (pa.ArrowException, OSError) as e:
-        raise LogCorrupted(f"segment {rel} is not a readable Parquet file: {e}") from e
-    if rows is not None and pf.metadata.num_rows != rows:
-        raise LogCorrupted(f"segment {rel} has {pf.metadata.num_rows} rows, its marker says {rows}")
+        num_rows = pf.metadata.num_rows
+    except (pa.ArrowException, OSError, ValueError) as e:  # ValueError: a mangled footer
+        raise LogCorrupted(f"segment {where} is not a readable Parquet file: {e}") from e
+    if rows is not None and num_rows != rows:
+        raise LogCorrupted(f"segment {where} has {num_rows} rows, its marker says {rows}")
     return pf
 
 
@@ -178,5 +191,5 @@ def read(
     pf = open_segment(store, rel, rows=rows, checksum=checksum)
     try:
         return pf.read(columns=columns)
-    except (pa.ArrowException, OSError) as e:
-        raise LogCorrupted(f"segment {rel} is not a readable Parquet file: {e}") from e
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise LogCorrupted(f"segment {store.full(rel)} is not a readable Parquet file: {e}") from e

@@ -197,6 +197,7 @@ def test_summary_json(root: str) -> None:
             {"rank": 0, "epoch": 2, "epoch_batch": 1, "batch": 7, "samples": 21, "behind": 0}
         ],
         "skew": None,
+        "unreadable_journal_records": 0,
     }
     ndjson = run("audit", root, "--format", "ndjson")
     assert ndjson.stdout.count("\n") == 1

@@ -19,7 +19,7 @@ from ledger.audit.scan import Progress
 from ledger.audit.summary import Summary, counts, summarize
 from ledger.audit.views import connect
 from ledger.commits import Commit, SegmentRef, list_commits, read_run
-from ledger.errors import LedgerError
+from ledger.errors import LogCorrupted
 from ledger.schema import EVENT_SCHEMA
 from ledger.segments import orphans
 from ledger.store import Store, sha256
@@ -86,18 +86,23 @@ def check(
         progress: called with ``(segments done, segments in all)`` during the scan.
 
     Returns:
-        One result per name, in the order given.
+        One result per name, in the order given. A damaged log (a marker, segment,
+        journal or ``run.json`` that does not check, see :func:`ledger.audit.summarize`)
+        fails every check, the detail naming the file.
 
     Raises:
         ValueError: if a name is not in :data:`CHECKS`.
-        CommitNotFound, LogCorrupted: as for :func:`ledger.audit.summarize`.
+        CommitNotFound: if ``root`` holds no run, or ``head`` names no commit.
     """
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
         raise ValueError(f"unknown check {unknown[0]!r}; the checks are {', '.join(CHECKS)}")
     store = Store(root)
-    config = read_run(store)["config"]
-    summary = summarize(root, head, progress)
+    try:
+        config = read_run(store)["config"]
+        summary = summarize(root, head, progress)
+    except LogCorrupted as e:  # a gate fails on a damaged log; it does not crash
+        return [CheckResult(name, False, f"not checked, the log is damaged: {e}") for name in names]
     con = connect(root, summary.head)
     try:
         results = []
@@ -293,11 +298,11 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
         CommitNotFound: if ``root`` holds no run.
     """
     store = Store(root)
-    read_run(store)
     results: list[CheckResult] = []
     try:
+        read_run(store)
         commits = list_commits(store)
-    except LedgerError as e:
+    except LogCorrupted as e:
         return Verification((CheckResult("markers", False, str(e)),), 0, 0, 0)
     results.append(CheckResult("markers", True, f"{len(commits)} commit markers parse"))
     results.append(_chain(commits))
@@ -320,21 +325,7 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
         )
     )
     if results[1].ok and not bad:
-        con = connect(root)
-        try:
-            scanned = counts(con, store)
-        finally:
-            con.close()
-        dup = [e for e in scanned.epochs.values() if e.duplicates]
-        results.append(
-            CheckResult(
-                "duplicates",
-                not dup,
-                "; ".join(f"epoch {e.epoch}: {e.duplicates} duplicates" for e in dup[:5])
-                if dup
-                else f"no duplicates in {len(scanned.epochs)} epochs of the lineage",
-            )
-        )
+        results.append(_duplicates(root, store))
     else:
         results.append(CheckResult("duplicates", False, "not checked: the log is damaged"))
     orphaned = _orphans(store, commits)
@@ -348,6 +339,25 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
         )
     )
     return Verification(tuple(results), len(refs), events, nbytes)
+
+
+def _duplicates(root: str, store: Store) -> CheckResult:
+    try:
+        con = connect(root)
+        try:
+            scanned = counts(con, store)
+        finally:
+            con.close()
+    except LogCorrupted as e:
+        return CheckResult("duplicates", False, f"not checked: {e}")
+    dup = [e for e in scanned.epochs.values() if e.duplicates]
+    return CheckResult(
+        "duplicates",
+        not dup,
+        "; ".join(f"epoch {e.epoch}: {e.duplicates} duplicates" for e in dup[:5])
+        if dup
+        else f"no duplicates in {len(scanned.epochs)} epochs of the lineage",
+    )
 
 
 def _chain(commits: list[Commit]) -> CheckResult:
@@ -388,9 +398,13 @@ def _segment(store: Store, c: Commit, ref: SegmentRef) -> str | None:
     if sha256(data) != ref.sha256:
         return f"{where} has another SHA-256 than its marker"
     try:
-        meta = pq.ParquetFile(pa.BufferReader(data)).metadata
-    except (pa.ArrowException, OSError) as e:
+        return _segment_content(where, data, c, ref)
+    except (pa.ArrowException, OSError, ValueError) as e:  # mangled footers, statistics
         return f"{where} is not readable Parquet: {e}"
+
+
+def _segment_content(where: str, data: bytes, c: Commit, ref: SegmentRef) -> str | None:
+    meta = pq.ParquetFile(pa.BufferReader(data)).metadata
     if meta.num_rows != ref.rows:
         return f"{where} has {meta.num_rows} rows, the marker says {ref.rows}"
     names = meta.schema.to_arrow_schema().names

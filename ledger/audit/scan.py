@@ -11,7 +11,9 @@ ids in one byte-per-id numpy bitmap per epoch: ``seen[ids] = True``, then one
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,9 +22,10 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from ledger.audit.views import arrow_filesystem
-from ledger.commits import Commit
+from ledger.commits import Commit, SegmentRef
 from ledger.errors import LogCorrupted
 from ledger.schema import EVENT_SCHEMA, SAMPLE, SKIP, SPAN
+from ledger.segments import open_segment
 from ledger.store import Store
 
 _COLUMNS = ["epoch", "kind", "sample_id", "token_start", "position"]
@@ -185,8 +188,9 @@ def scan(
         Per epoch of ``counted``, and per segment of both (in the order given).
 
     Raises:
-        LogCorrupted: if a segment is missing, unreadable, of another row count than its
-            marker says, or holds an id outside ``[0, dataset_len)``.
+        LogCorrupted: if a segment is missing, unreadable, of another size, SHA-256 or
+            row count than its marker says (each file is hashed as it is read), or holds
+            an id outside ``[0, dataset_len)``.
     """
     jobs = [(c, True, s) for c in counted for s in c.segments] + [
         (c, False, s) for c in other for s in c.segments
@@ -196,55 +200,44 @@ def scan(
     last_epoch = np.full(len(jobs), -1, np.int64)
     result = ScanResult(packed=packed)
     ids: dict[int, tuple[_Ids, _Ids]] = {}
-    done = 0
-    full = [store.full(s.path) for _, _, s in jobs]
-    index = {path: i for i, path in enumerate(full)}
-    if len(index) != len(full):
+    if len({s.path for _, _, s in jobs}) != len(jobs):
         raise LogCorrupted("two markers name the same segment: the commit chain is damaged")
-    # Arrow decodes several files at once on its own threads while this loop counts. Each
-    # batch comes tagged with its file (a partition column would materialise an int per row).
-    scanner = _dataset(store, full).scanner(
-        columns=["epoch", "kind", "sample_id"] + (["token_start"] if packed else []),
-        batch_readahead=16,
-        fragment_readahead=threads or 4,
-    )
-    for tagged in scanner.scan_batches():
-        batch = tagged.record_batch
-        if batch.num_rows == 0:
-            continue
-        i = index[tagged.fragment.path]
-        consumed, skipped = _consumed(batch)
-        events[i] += batch.num_rows
-        if progress is not None and i >= done:
-            done = i + 1
-            progress(done, len(jobs))
-        if not jobs[i][1]:
-            samples[i] += int(np.count_nonzero(consumed))
-            continue
-        epoch = batch.column("epoch")
-        bounds = pc.min_max(epoch)
-        lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
-        sample_ids = batch.column("sample_id").to_numpy()
+    columns = ["epoch", "kind", "sample_id"] + (["token_start"] if packed else [])
+    for i, table in enumerate(_read_verified(store, [s for _, _, s in jobs], columns, threads)):
+        if progress is not None:
+            progress(i + 1, len(jobs))
         where = store.full(jobs[i][2].path)
-        any_skip = bool(skipped.any())
-        for e in range(lo, hi + 1):
-            mine = epoch.to_numpy() == e if lo != hi else None
-            used = sample_ids[consumed if mine is None else consumed & mine]
-            if used.size == 0 and not any_skip:
+        for batch in table.to_batches():
+            if batch.num_rows == 0:
                 continue
-            counts = result.epochs.setdefault(e, EpochCounts(e))
-            if e not in ids:
-                ids[e] = (_Ids(dataset_len), _Ids(dataset_len, bitmap=False))
-            seen, skips = ids[e]
-            counts.samples += used.size
-            samples[i] += used.size
-            if used.size:
-                last_epoch[i] = max(last_epoch[i], e)
-            seen.add(used, where)
-            if any_skip:
-                dropped = sample_ids[skipped if mine is None else skipped & mine]
-                counts.skipped += dropped.size
-                skips.add(dropped, where)
+            consumed, skipped = _consumed(batch)
+            events[i] += batch.num_rows
+            if not jobs[i][1]:
+                samples[i] += int(np.count_nonzero(consumed))
+                continue
+            epoch = batch.column("epoch")
+            bounds = pc.min_max(epoch)
+            lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
+            sample_ids = batch.column("sample_id").to_numpy()
+            any_skip = bool(skipped.any())
+            for e in range(lo, hi + 1):
+                mine = epoch.to_numpy() == e if lo != hi else None
+                used = sample_ids[consumed if mine is None else consumed & mine]
+                if used.size == 0 and not any_skip:
+                    continue
+                counts = result.epochs.setdefault(e, EpochCounts(e))
+                if e not in ids:
+                    ids[e] = (_Ids(dataset_len), _Ids(dataset_len, bitmap=False))
+                seen, skips = ids[e]
+                counts.samples += used.size
+                samples[i] += used.size
+                if used.size:
+                    last_epoch[i] = max(last_epoch[i], e)
+                seen.add(used, where)
+                if any_skip:
+                    dropped = sample_ids[skipped if mine is None else skipped & mine]
+                    counts.skipped += dropped.size
+                    skips.add(dropped, where)
     for i, (commit, _, ref) in enumerate(jobs):
         if events[i] != ref.rows:
             raise LogCorrupted(
@@ -280,6 +273,46 @@ def _dataset(store: Store, full_paths: list[str]) -> ds.Dataset:
         format=ds.ParquetFileFormat(),
         filesystem=arrow_filesystem(store),
     )
+
+
+def _read_verified(
+    store: Store, refs: list[SegmentRef], columns: list[str], threads: int | None
+) -> Iterator[pa.Table]:
+    """The ``columns`` of each segment of ``refs``, in order, each checked against its
+    marker (size, SHA-256, rows) before it is decoded.
+
+    Each file is read once: a pool of threads reads, hashes (``hashlib`` releases the GIL)
+    and decodes (so does Arrow) up to ``threads`` files ahead of the caller.
+
+    Raises:
+        LogCorrupted: naming the file, if one is missing, differs from its marker, or is
+            not a readable segment.
+    """
+    want = pa.schema([_SCHEMA.field(c) for c in columns])
+    ahead = max(1, threads or 4)
+
+    def load(ref: SegmentRef) -> pa.Table:
+        pf = open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256, size=ref.bytes)
+        try:
+            table = pf.read(columns=columns, use_threads=False)
+            return table if table.schema.equals(want) else table.cast(want)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise LogCorrupted(
+                f"segment {store.full(ref.path)} does not hold the event columns: {e}"
+            ) from e
+
+    with ThreadPoolExecutor(ahead, thread_name_prefix="ledger-scan") as pool:
+        pending: deque[Future[pa.Table]] = deque()
+        try:
+            for ref in refs:
+                pending.append(pool.submit(load, ref))
+                if len(pending) > ahead:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 def last_position(store: Store, paths: list[str], epoch: int, packed: bool) -> int | None:

@@ -139,6 +139,8 @@ class Summary:
         ranks: every rank of the head commit, with its progress.
         skew: the largest spread between ranks at a commit of the lineage, ``None``
             when the lineage has no commit with more than one rank.
+        unreadable_journal_records: damaged journal records skipped (checksum or
+            fields wrong); what they held is missing from the uncommitted counts.
     """
 
     run_id: str
@@ -152,6 +154,7 @@ class Summary:
     last_position: Position | None
     ranks: tuple[RankSummary, ...] = ()
     skew: Skew | None = None
+    unreadable_journal_records: int = 0
 
 
 def summarize(root: str, head: str | None = None, progress: Progress | None = None) -> Summary:
@@ -291,6 +294,9 @@ def _summarize(con: duckdb.DuckDBPyConnection, store: Store, progress: Progress 
         last_position=last,
         ranks=_ranks(con, head[0]) if head else (),
         skew=_skew(con),
+        unreadable_journal_records=int(
+            _one(con, "SELECT coalesce(sum(unreadable), 0) FROM journals")[0]
+        ),
     )
 
 

@@ -61,6 +61,10 @@ work, or a live attempt's work in flight). Columns as ``events`` without ``commi
 and ``step``; only ``'sample'`` events. Read from ``ROOT/journal/`` (for object-store roots: the
 journals a later attempt uploaded from local disk).
 
+``journals``: one row per journal under ``ROOT/journal/``: attempt INTEGER, rank INTEGER,
+path VARCHAR, uncommitted_batches BIGINT, unreadable BIGINT (damaged records skipped:
+their checksum or fields did not check).
+
 ``run``: one row from ``run.json``: run_id VARCHAR, created_at TIMESTAMP (UTC),
 dataset_len BIGINT, seed BIGINT, shuffle BOOLEAN, batch_size BIGINT, drop_last BOOLEAN,
 world_size INTEGER, "order" VARCHAR.
@@ -77,7 +81,7 @@ with it. ``read_parquet`` over the file list is not used on purpose: DuckDB's
 
 from __future__ import annotations
 
-import json
+import re
 import shutil
 import tempfile
 import weakref
@@ -89,7 +93,15 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
-from ledger.commits import Commit, default_head, lineage, list_commits, read_run
+from ledger.commits import (
+    ATTEMPT_NAME,
+    Commit,
+    default_head,
+    lineage,
+    list_commits,
+    read_attempt,
+    read_run,
+)
 from ledger.errors import LogCorrupted
 from ledger.journal import uncommitted
 from ledger.schema import EVENT_SCHEMA, chunks_to_table
@@ -218,7 +230,9 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     con.register("states", _states_table(commits))
     con.register("attempts", _attempts_table(store))
     con.register("run", _run_table(run))
-    con.register("uncommitted", _uncommitted_table(store, commits))
+    lost, journals = _journal_tables(store, commits)
+    con.register("uncommitted", lost)
+    con.register("journals", journals)
     for setting in (
         "autoinstall_known_extensions=false",
         "autoload_known_extensions=false",
@@ -351,25 +365,18 @@ def _states_table(commits: list[Commit]) -> pa.Table:
 
 
 def _attempts_table(store: Store) -> pa.Table:
+    """Attempt records; files under ``attempts/`` that are not named ``<A>.json`` are
+    ignored (a stray file never breaks a command)."""
     rows = []
     for name in store.ls("attempts"):
-        if not name.endswith(".json") or name.startswith(".tmp-"):
+        if not ATTEMPT_NAME.match(name):
             continue
-        rel = f"attempts/{name}"
         try:
-            a = json.loads(store.read_bytes(rel))
-            rows.append(
-                {
-                    "attempt": int(a["attempt"]),
-                    "parent": a.get("parent"),
-                    "world_size": a.get("world_size"),
-                    "created_at": _timestamp(a.get("created_at"), store.full(rel)),
-                    "host": a.get("host"),
-                    "pid": a.get("pid"),
-                }
-            )
-        except (ValueError, KeyError, TypeError) as e:
-            raise LogCorrupted(f"{store.full(rel)} is not a valid attempt record: {e}") from e
+            a = read_attempt(store, name)
+        except FileNotFoundError:
+            continue  # removed since the listing
+        when = _timestamp(a["created_at"], store.full(f"attempts/{name}"))
+        rows.append({**a, "created_at": when})
     return _table(sorted(rows, key=lambda r: r["attempt"]), _ATTEMPTS_SCHEMA)
 
 
@@ -383,25 +390,64 @@ def _run_table(run: dict[str, Any]) -> pa.Table:
     return _table([row], _RUN_SCHEMA)
 
 
-def _uncommitted_table(store: Store, commits: list[Commit]) -> pa.Table:
-    """Journaled ``'sample'`` events that no commit of their attempt covers."""
+_JOURNAL = re.compile(r"^journal/attempt=([0-9]{1,9})/rank=([0-9]{1,9})\.msgpack$")
+
+
+def _journal_tables(store: Store, commits: list[Commit]) -> tuple[pa.Table, pa.Table]:
+    """The ``uncommitted`` view (journaled ``'sample'``/``'span'`` events that no commit
+    of their attempt covers) and the ``journals`` view (per journal: its uncommitted
+    batches and the damaged records skipped). Files under ``journal/`` not named
+    ``attempt=A/rank=R.msgpack`` are ignored."""
     committed: dict[tuple[int, int], int] = {}
     for c in commits:
         for st in c.states:
             key = (c.attempt, st.rank)
             committed[key] = max(committed.get(key, -1), st.batch)
     journals: dict[tuple[int, int], bytes] = {}
+    paths: dict[tuple[int, int], str] = {}
     for rel in store.glob("journal/attempt=*/rank=*.msgpack"):
-        parts = dict(p.split("=", 1) for p in rel[: -len(".msgpack")].split("/")[1:])
-        journals[(int(parts["attempt"]), int(parts["rank"]))] = store.read_bytes(rel)
+        match = _JOURNAL.match(rel)
+        if match is None:
+            continue
+        key = (int(match[1]), int(match[2]))
+        try:
+            journals[key] = store.read_bytes(rel)
+        except FileNotFoundError:
+            continue  # removed since the listing
+        paths[key] = rel
+    chunks, unreadable = uncommitted(journals, committed)
     tables = [
-        chunks_to_table(chunks, attempt, rank)
-        for (attempt, rank), chunks in sorted(uncommitted(journals, committed).items())
-        if chunks
+        chunks_to_table(found, attempt, rank)
+        for (attempt, rank), found in sorted(chunks.items())
+        if found
     ]
-    if not tables:
-        return EVENT_SCHEMA.empty_table().cast(_PLAIN_EVENT_SCHEMA)
-    return pa.concat_tables(tables).cast(_PLAIN_EVENT_SCHEMA)
+    events = (
+        pa.concat_tables(tables).cast(_PLAIN_EVENT_SCHEMA)
+        if tables
+        else EVENT_SCHEMA.empty_table().cast(_PLAIN_EVENT_SCHEMA)
+    )
+    rows = [
+        {
+            "attempt": key[0],
+            "rank": key[1],
+            "path": paths[key],
+            "uncommitted_batches": len({c.batch for c in chunks[key]}),
+            "unreadable": unreadable[key],
+        }
+        for key in sorted(journals)
+    ]
+    return events, _table(rows, _JOURNALS_SCHEMA)
+
+
+_JOURNALS_SCHEMA = pa.schema(
+    [
+        ("attempt", pa.int32()),
+        ("rank", pa.int32()),
+        ("path", pa.string()),
+        ("uncommitted_batches", pa.int64()),
+        ("unreadable", pa.int64()),
+    ]
+)
 
 
 # DuckDB reads a dictionary column as VARCHAR anyway; a plain one keeps the view simple.
