@@ -19,8 +19,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ledger import segments
+from ledger.audit.scan import read_verified
 from ledger.audit.views import connect
-from ledger.commits import Commit, default_head, lineage, list_commits, read_run
+from ledger.commits import Commit, SegmentRef, default_head, lineage, list_commits, read_run
 from ledger.errors import CommitNotFound, LedgerError
 from ledger.schema import BATCH, EVENT_SCHEMA, SAMPLE, SPAN
 from ledger.store import Store
@@ -90,20 +91,12 @@ def where(root: str, sample_id: int, head: str | None = None) -> SampleHistory:
 
     Raises:
         CommitNotFound: if ``root`` holds no run, or ``head`` names no commit.
-        LogCorrupted: if the commit chain is broken or a committed segment is missing.
+        LogCorrupted: if the commit chain is broken, or a committed segment is missing or
+            differs from its marker (every segment is hashed as it is read).
     """
     con = connect(root, head)
     try:
-        rows = con.execute(
-            """
-            SELECT e.attempt, e.rank, e.worker, e.epoch, e.batch, e.position, e.kind,
-                   e.token_start, e.token_end, e.commit_id, e.step, c.in_lineage
-            FROM events AS e JOIN commits AS c USING (commit_id)
-            WHERE e.sample_id = $id AND e.kind IN ('sample', 'span')
-            ORDER BY e.step, e.attempt, e.rank, e.batch, e.token_start NULLS FIRST
-            """,
-            {"id": int(sample_id)},
-        ).fetchall()
+        rows = _consumptions(Store(root), con, int(sample_id))
         lost = con.execute(
             """
             SELECT attempt, rank, worker, epoch, batch, position, kind, token_start,
@@ -129,6 +122,40 @@ def where(root: str, sample_id: int, head: str | None = None) -> SampleHistory:
         consumptions=tuple(Consumption(*r) for r in rows + lost),
         commits=tuple(cid for cid, _ in parents if seen[cid]),
     )
+
+
+_WHERE_COLUMNS = [
+    "attempt", "rank", "worker", "epoch", "batch", "position", "kind", "token_start",
+    "token_end", "sample_id",
+]  # fmt: skip
+
+
+def _consumptions(store: Store, con: Any, sample_id: int) -> list[tuple[Any, ...]]:
+    """Committed consumptions of ``sample_id``, as :class:`Consumption` fields, read from
+    every segment a marker names, each checked against its marker's SHA-256 as it is read.
+    """
+    named = con.execute(
+        """
+        SELECT s.commit_id, s.step, c.in_lineage, s.rank, s.path, s.rows, s.bytes, s.sha256
+        FROM segments AS s JOIN commits AS c USING (commit_id)
+        """
+    ).fetchall()
+    refs = [SegmentRef(r, p, n, b, h) for *_, r, p, n, b, h in named]
+    found: list[tuple[Any, ...]] = []
+    for (cid, step, in_lineage, *_), table in zip(
+        named, read_verified(store, refs, _WHERE_COLUMNS, None), strict=True
+    ):
+        hit = table.filter(pc.equal(table["sample_id"], sample_id))
+        if hit.num_rows == 0:
+            continue
+        kinds = hit["kind"].cast(pa.string())
+        hit = hit.set_column(hit.schema.get_field_index("kind"), "kind", kinds)
+        hit = hit.filter(pc.is_in(kinds, pa.array(CONSUMED_KINDS)))
+        for row in hit.drop_columns(["sample_id"]).to_pylist():
+            found.append((*row.values(), cid, step, in_lineage))
+    # Order: step, attempt, rank, batch, then a packed sample's spans by their first token.
+    found.sort(key=lambda r: (r[10], r[0], r[1], r[4], -1 if r[7] is None else r[7]))
+    return found
 
 
 @dataclass(frozen=True, slots=True)

@@ -203,7 +203,7 @@ def scan(
     if len({s.path for _, _, s in jobs}) != len(jobs):
         raise LogCorrupted("two markers name the same segment: the commit chain is damaged")
     columns = ["epoch", "kind", "sample_id"] + (["token_start"] if packed else [])
-    for i, table in enumerate(_read_verified(store, [s for _, _, s in jobs], columns, threads)):
+    for i, table in enumerate(read_verified(store, [s for _, _, s in jobs], columns, threads)):
         if progress is not None:
             progress(i + 1, len(jobs))
         where = store.full(jobs[i][2].path)
@@ -275,7 +275,7 @@ def _dataset(store: Store, full_paths: list[str]) -> ds.Dataset:
     )
 
 
-def _read_verified(
+def read_verified(
     store: Store, refs: list[SegmentRef], columns: list[str], threads: int | None
 ) -> Iterator[pa.Table]:
     """The ``columns`` of each segment of ``refs``, in order, each checked against its
@@ -288,7 +288,7 @@ def _read_verified(
         LogCorrupted: naming the file, if one is missing, differs from its marker, or is
             not a readable segment.
     """
-    want = pa.schema([_SCHEMA.field(c) for c in columns])
+    want = pa.schema([EVENT_SCHEMA.field(c) for c in columns])
     ahead = max(1, threads or 4)
 
     def load(ref: SegmentRef) -> pa.Table:

@@ -1,0 +1,274 @@
+"""A gate you can trust: damaged logs, stray files and hostile tokens give typed answers.
+
+The corruption matrix damages every kind of file of a real log (run.json, an attempt
+record, a commit marker, a segment, a journal) in five ways and runs every command on it:
+the only outcomes allowed are a result, a failed check (exit 3) or one ``Error:`` line
+(exit 1) naming the file, and for the library a :class:`ledger.errors.LedgerError`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from conftest import Augmented
+
+import ledger
+from ledger.audit import summarize
+from ledger.audit.checks import check, verify
+from ledger.audit.queries import reconstruct, show, where
+from ledger.cli import main
+from ledger.errors import LedgerError, LogCorrupted, TokenError
+from ledger.journal import parse_journal
+from ledger.testing import take
+
+N, BATCH = 24, 3
+
+
+def _write_log(root: str) -> list[torch.Tensor]:
+    """A map-style run: commits at batches 2 and 4, then two uncommitted batches."""
+    loader = ledger.DataLoader(Augmented(N), batch_size=BATCH, shuffle=True, seed=3, log=root)
+    it = iter(loader)
+    for _ in range(2):
+        next(it)
+    loader.state_dict()
+    for _ in range(2):
+        next(it)
+    loader.state_dict()
+    return [next(it)["id"] for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = str(tmp_path_factory.mktemp("pristine") / "log")
+    _write_log(root)
+    return root
+
+
+FILES = {
+    "run": "run.json",
+    "attempt": "attempts/0000.json",
+    "marker": "commits/000000000004-0000.json",
+    "segment": "events/attempt=0/rank=0/seg-000000000004.parquet",
+    "journal": "journal/attempt=0/rank=0.msgpack",
+}
+
+
+def _damage(path: str, how: str) -> None:
+    data = Path(path).read_bytes()
+    if how == "delete":
+        os.unlink(path)
+        return
+    if how == "flip":
+        i = len(data) // 2
+        data = data[:i] + bytes([data[i] ^ 0x5A]) + data[i + 1 :]
+    elif how == "truncate":
+        data = data[: len(data) * 2 // 3]
+    elif how == "empty":
+        data = b""
+    elif how == "append":
+        data = data + b"\x00garbage\xff" * 3
+    Path(path).write_bytes(data)
+
+
+COMMANDS = {
+    "audit": ["audit"],
+    "check": ["audit", "--check", "coverage", "--check", "duplicates", "--format", "csv"],
+    "verify": ["verify", "--format", "csv"],
+    "where": ["where", "--sample", "1"],
+    "show": ["show", "--batch", "3"],
+    "reconstruct": ["reconstruct", "--commit", "000000000004-0000", "--out", "{out}"],
+    "sql": ["audit", "--sql", "SELECT count(*) FROM lineage"],
+    "report": ["report", "--out", "{html}"],
+}
+
+
+def _cli(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete", "empty", "append"])
+@pytest.mark.parametrize("kind", sorted(FILES))
+def test_corruption_matrix(pristine: str, tmp_path: Path, kind: str, how: str) -> None:
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    _damage(os.path.join(root, FILES[kind]), how)
+    for name, args in COMMANDS.items():
+        argv = [a.format(out=tmp_path / "out.parquet", html=tmp_path / "r.html") for a in args]
+        result = _cli(argv[0], root, *argv[1:])
+        where_ = f"{kind}/{how}: ledger {' '.join(argv)}"
+        # Only a result, a failed check or one clean Error: line; never a traceback.
+        assert result.exit_code in (0, 1, 3), (where_, result.output)
+        assert result.exception is None or isinstance(result.exception, SystemExit), (
+            where_,
+            result.exception,
+        )
+        if result.exit_code == 1:
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("Error: "), (where_, result.stderr)
+            assert "unexpected" not in lines[0], (where_, lines[0])
+        if kind == "segment" and name in ("audit", "check", "verify", "reconstruct", "report"):
+            assert result.exit_code != 0, (where_, "a damaged segment went unnoticed")
+            assert "seg-000000000004.parquet" in result.output, (where_, result.output)
+        if kind == "journal" and name in ("audit", "check", "verify"):
+            assert result.exit_code in (0, 3), (where_, result.output)  # tolerated
+    # The library raises only ledger's errors.
+    calls = [
+        lambda: summarize(root),
+        lambda: check(root),
+        lambda: verify(root),
+        lambda: where(root, 1),
+        lambda: show(root, 3),
+        lambda: reconstruct(root, "000000000004-0000", tmp_path / "lib.parquet"),
+    ]
+    for call in calls:
+        try:
+            call()
+        except LedgerError:
+            pass
+    # Resuming raises a typed error or resumes.
+    token = {
+        "version": 1, "root": root, "run_id": _run_id(pristine), "commit": "000000000004-0000",
+        "attempt": 0, "world_size": 1, "step": 4,
+    }  # fmt: skip
+    loader = ledger.DataLoader(Augmented(N), batch_size=BATCH, shuffle=True, seed=3, log=root)
+    try:
+        loader.load_state_dict(token)
+        next(iter(loader))
+    except LedgerError:
+        pass
+
+
+def _run_id(root: str) -> str:
+    import json
+
+    return str(json.loads(Path(root, "run.json").read_text())["run_id"])
+
+
+def test_a_flipped_segment_byte_is_caught_by_every_reading_command(pristine, tmp_path):
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    seg = os.path.join(root, FILES["segment"])
+    _damage(seg, "flip")
+    assert _cli("audit", root).exit_code == 1
+    checked = _cli("audit", root, "--check", "coverage", "--format", "csv")
+    assert checked.exit_code == 3 and "sha256" in checked.output
+    with pytest.raises(LogCorrupted, match="seg-000000000004.parquet"):
+        summarize(root)
+    with pytest.raises(LogCorrupted, match="seg-000000000004.parquet"):
+        where(root, 1)
+
+
+def test_stray_files_break_nothing(pristine, tmp_path):
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    for rel in (
+        "attempts/abc.json", "attempts/notes.txt", "commits/README", "commits/x-y.json",
+        "journal/attempt=x/rank=y.msgpack", "journal/attempt=0/notes.msgpack",
+        "events/attempt=0/rank=0/notes.txt", "events/README.md", "stray.txt",
+    ):  # fmt: skip
+        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
+        Path(root, rel).write_text("not ledger's")
+    for args in (
+        ["audit"],
+        ["verify"],
+        ["audit", "--check", "coverage"],
+        ["where", "--sample", "1"],
+    ):
+        result = _cli(args[0], root, *args[1:])
+        assert result.exit_code == 0, (args, result.output)
+    token = {
+        "version": 1, "root": root, "run_id": _run_id(root), "commit": "000000000004-0000",
+        "attempt": 0, "world_size": 1, "step": 4,
+    }  # fmt: skip
+    loader = ledger.DataLoader(Augmented(N), batch_size=BATCH, shuffle=True, seed=3, log=root)
+    loader.load_state_dict(token)
+    assert len(list(take(loader, 2))) == 2
+    assert sorted(os.listdir(os.path.join(root, "attempts")))[:2] == ["0000.json", "0001.json"]
+
+
+def test_run_json_without_config_is_named(pristine, tmp_path):
+    import json
+
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    run = json.loads(Path(root, "run.json").read_text())
+    del run["config"]
+    Path(root, "run.json").write_text(json.dumps(run))
+    loader = ledger.DataLoader(Augmented(N), batch_size=BATCH, shuffle=True, seed=3, log=root)
+    token = {
+        "version": 1, "root": root, "run_id": run["run_id"], "commit": "000000000004-0000",
+        "attempt": 0, "world_size": 1, "step": 4,
+    }  # fmt: skip
+    with pytest.raises(LogCorrupted, match=r"run\.json: field 'config' is missing"):
+        loader.load_state_dict(token)
+    v = verify(root)
+    assert not v.ok and "field 'config' is missing" in v.results[0].detail
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"version": "1"}, "token version '1'"),
+        ({"root": None}, "field 'root' is None"),
+        ({"commit": ["x"]}, "field 'commit'"),
+        ({"step": True}, "field 'step' is True"),
+        ({"world_size": 0}, "field 'world_size' is 0"),
+        ({"commit": "../../etc"}, "not a commit id"),
+    ],
+)
+def test_a_mangled_token_is_a_token_error(pristine, tmp_path, change, match):
+    token = {
+        "version": 1, "root": pristine, "run_id": _run_id(pristine), "commit": "000000000004-0000",
+        "attempt": 0, "world_size": 1, "step": 4, **change,
+    }  # fmt: skip
+    loader = ledger.DataLoader(Augmented(N), batch_size=BATCH, log=str(tmp_path / "other"))
+    if change.get("commit") == "../../etc":
+        loader = ledger.DataLoader(
+            Augmented(N), batch_size=BATCH, shuffle=True, seed=3, log=pristine
+        )
+        with pytest.raises(LedgerError, match=match):
+            loader.load_state_dict(token)
+        return
+    with pytest.raises(TokenError, match=match):
+        loader.load_state_dict(token)
+
+
+def test_damaged_journal_records_are_skipped_and_counted(pristine, tmp_path):
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    path = os.path.join(root, FILES["journal"])
+    data = Path(path).read_bytes()
+    intact = parse_journal(data)
+    assert intact.unreadable == 0 and [c.batch for c in intact.chunks] == [4, 4, 5, 5]
+    # Damage one byte inside the ids of batch 4's sample record.
+    i = data.index(intact.chunks[0].sample_ids.astype("<i8").tobytes())
+    damaged = data[:i] + bytes([data[i] ^ 1]) + data[i + 1 :]
+    Path(path).write_bytes(damaged)
+    found = parse_journal(damaged)
+    assert found.unreadable == 1
+    assert [(c.kind, c.batch) for c in found.chunks] == [("batch", 4), ("sample", 5), ("batch", 5)]
+    s = summarize(root)
+    assert s.unreadable_journal_records == 1
+    assert s.attempts[0].uncommitted_batches == 1  # batch 5 only: batch 4's ids are lost
+    out = _cli("audit", root)
+    assert out.exit_code == 0 and "1 journal records unreadable" in out.stdout
+
+
+def test_journal_parse_never_raises_on_any_prefix_or_flip(pristine):
+    data = Path(pristine, FILES["journal"]).read_bytes()
+    for cut in range(len(data) + 1):
+        parse_journal(data[:cut])
+    for i in range(len(data)):
+        flipped = parse_journal(data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :])
+        assert flipped.unreadable <= 2
+
+
+def test_glob_finds_the_files_the_matrix_damages(pristine):
+    for rel in FILES.values():
+        assert glob.glob(os.path.join(pristine, rel)), rel
