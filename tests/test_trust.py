@@ -8,6 +8,7 @@ the only outcomes allowed are a result, a failed check (exit 3) or one ``Error:`
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -127,10 +128,8 @@ def test_corruption_matrix(pristine: str, tmp_path: Path, kind: str, how: str) -
         lambda: reconstruct(root, "000000000004-0000", tmp_path / "lib.parquet"),
     ]
     for call in calls:
-        try:
+        with contextlib.suppress(LedgerError):
             call()
-        except LedgerError:
-            pass
     # Resuming raises a typed error or resumes.
     token = {
         "version": 1, "root": root, "run_id": _run_id(pristine), "commit": "000000000004-0000",
@@ -158,9 +157,9 @@ def test_a_flipped_segment_byte_is_caught_by_every_reading_command(pristine, tmp
     assert _cli("audit", root).exit_code == 1
     checked = _cli("audit", root, "--check", "coverage", "--format", "csv")
     assert checked.exit_code == 3 and "sha256" in checked.output
-    with pytest.raises(LogCorrupted, match="seg-000000000004.parquet"):
+    with pytest.raises(LogCorrupted, match=r"seg-000000000004\.parquet"):
         summarize(root)
-    with pytest.raises(LogCorrupted, match="seg-000000000004.parquet"):
+    with pytest.raises(LogCorrupted, match=r"seg-000000000004\.parquet"):
         where(root, 1)
 
 
