@@ -88,9 +88,10 @@ def test_epochs_table_shows_the_duplicate_of_epoch_1(page: str) -> None:
         ["2", "3", "3", "30.00%", "0", "0", "in progress"],
     ]
     assert '<tr class="bad"><td class="l">1</td>' in page
-    assert "1 duplicate consumption(s) in epoch(s) 1 of the lineage" in page
+    # The findings are the checks' verdicts, in the checks' words.
+    assert '<li class="bad">duplicates: duplicate consumptions: epoch 1: 1</li>' in page
     # Sample 3 of epoch 1 was never served: 8 distinct + 1 skipped < 10.
-    assert "finished epoch(s) 1 did not reach every sample" in page
+    assert '<li class="bad">coverage: epoch 1: 1 samples neither consumed nor skipped</li>' in page
 
 
 def test_plot_data_puts_the_duplicate_at_batch_5(log: LogFactory) -> None:

@@ -271,3 +271,29 @@ def test_journal_parse_never_raises_on_any_prefix_or_flip(pristine):
 def test_glob_finds_the_files_the_matrix_damages(pristine):
     for rel in FILES.values():
         assert glob.glob(os.path.join(pristine, rel)), rel
+
+
+def test_report_and_coverage_check_share_one_finished_epoch() -> None:
+    from ledger.audit.checks import coverage
+    from ledger.audit.summary import (
+        EpochSummary,
+        RankSummary,
+        Summary,
+        epoch_status,
+        finished_epochs,
+    )
+
+    # Two ranks of a stream: rank 0 is in epoch 1, rank 1 still in epoch 0.
+    epoch0 = EpochSummary(0, 7, 7, 0.7, 0, 0, 0, 7)
+    s = Summary(
+        "r", 10, (), 1, "h", (epoch0,), 0, 0, None,
+        ranks=(RankSummary(0, 1, 0, 4, 8, 0), RankSummary(1, 0, 3, 3, 7, 1)),
+    )  # fmt: skip
+    assert finished_epochs(s) == 0
+    assert coverage(s).ok
+    assert epoch_status(s, epoch0) == "in progress"  # the report does not flag it red
+    done = Summary(
+        "r", 10, (), 1, "h", (epoch0,), 0, 0, None,
+        ranks=(RankSummary(0, 1, 0, 4, 8, 0), RankSummary(1, 1, 0, 4, 7, 1)),
+    )  # fmt: skip
+    assert not coverage(done).ok and epoch_status(done, epoch0) == "incomplete"

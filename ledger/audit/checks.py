@@ -16,7 +16,13 @@ import pyarrow.parquet as pq
 
 from ledger.audit.names import CHECKS
 from ledger.audit.scan import Progress
-from ledger.audit.summary import Summary, counts, summarize
+from ledger.audit.summary import (
+    Summary,
+    counts,
+    finished_epochs,
+    summarize,
+    uncovered_epochs,
+)
 from ledger.audit.views import connect
 from ledger.commits import Commit, SegmentRef, list_commits, read_run
 from ledger.errors import LogCorrupted
@@ -108,19 +114,9 @@ def check(
         results = []
         for name in names:
             if name == "coverage":
-                results.append(_coverage(summary))
+                results.append(coverage(summary))
             elif name == "duplicates":
-                bad = [e for e in summary.epochs if e.duplicates]
-                detail = "; ".join(f"epoch {e.epoch}: {e.duplicates}" for e in bad[:10])
-                results.append(
-                    CheckResult(
-                        name,
-                        not bad,
-                        f"duplicate consumptions: {detail}"
-                        if bad
-                        else f"no sample consumed twice in {len(summary.epochs)} epochs",
-                    )
-                )
+                results.append(duplicates(summary))
             elif name == "skips":
                 results.append(_skips(summary, config))
             elif name == "abandoned":
@@ -145,23 +141,36 @@ def check(
         con.close()
 
 
-def _coverage(s: Summary) -> CheckResult:
-    finished = min((r.epoch for r in s.ranks), default=0)
+def coverage(s: Summary) -> CheckResult:
+    """The ``coverage`` check on a summary: every finished epoch
+    (:func:`ledger.audit.summary.finished_epochs`) holds every sample, consumed or skipped."""
+    finished = finished_epochs(s)
     covered = {e.epoch: e for e in s.epochs}
-    bad = [e for e in range(finished) if e in covered and covered[e].covered < s.dataset_len]
-    bad += [e for e in range(finished) if e not in covered]
+    bad = uncovered_epochs(s)
     if bad:
-        worst = sorted(bad)
         detail = "; ".join(
             f"epoch {e}: {s.dataset_len - (covered[e].covered if e in covered else 0)} "
             "samples neither consumed nor skipped"
-            for e in worst[:5]
+            for e in bad[:5]
         )
         return CheckResult("coverage", False, detail)
     current = covered.get(finished)
     now = f"; epoch {finished} at {current.coverage:.2%}" if current else ""
     return CheckResult(
         "coverage", True, f"{finished} finished epochs cover all {s.dataset_len} samples{now}"
+    )
+
+
+def duplicates(s: Summary) -> CheckResult:
+    """The ``duplicates`` check on a summary: no sample consumed twice in one epoch."""
+    bad = [e for e in s.epochs if e.duplicates]
+    detail = "; ".join(f"epoch {e.epoch}: {e.duplicates}" for e in bad[:10])
+    return CheckResult(
+        "duplicates",
+        not bad,
+        f"duplicate consumptions: {detail}"
+        if bad
+        else f"no sample consumed twice in {len(s.epochs)} epochs",
     )
 
 
@@ -419,4 +428,6 @@ def _segment_content(where: str, data: bytes, c: Commit, ref: SegmentRef) -> str
     return None
 
 
-__all__ = ["CHECKS", "CheckResult", "Verification", "check", "verify"]
+__all__ = [
+    "CHECKS", "CheckResult", "Verification", "check", "coverage", "duplicates", "verify",
+]  # fmt: skip

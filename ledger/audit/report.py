@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
+from ledger.audit.checks import coverage, duplicates
 from ledger.audit.queries import output_file
-from ledger.audit.summary import CONSUMED, Summary, summarize
+from ledger.audit.summary import CONSUMED, Summary, epoch_status, summarize
 from ledger.audit.views import connect
 from ledger.segments import orphans
 from ledger.store import Store
@@ -528,9 +529,6 @@ def _page(root: str, s: Summary, con: duckdb.DuckDBPyConnection) -> str:
         'world_size, "order" FROM run'
     ).fetchone()
     assert run is not None, "the run view has one row"
-    head_epoch = _scalar(con, "SELECT epoch FROM commits WHERE is_head")
-    # Epochs before the head's next epoch are finished (rank 0 has moved past them).
-    finished = int(head_epoch) if head_epoch is not None else 0
     width, steps = _count(con)
     curves = _epoch_curves(con, s, width)
     lines, band = _rank_progress(con)
@@ -548,29 +546,17 @@ def _page(root: str, s: Summary, con: duckdb.DuckDBPyConnection) -> str:
         "SELECT attempt, created_at, host FROM attempts").fetchall()}  # fmt: skip
     n = s.dataset_len
 
-    def incomplete(e: Any) -> bool:
-        return bool(n) and e.epoch < finished and e.distinct + e.skipped < n
+    def incomplete(e: Any) -> bool:  # finished and not covered: the checks' definitions
+        return epoch_status(s, e) == "incomplete"
 
-    findings = []
-    dups = [e for e in s.epochs if e.duplicates]
     short = [e for e in s.epochs if incomplete(e)]
-    if dups:
-        findings.append(
-            f'<li class="bad">{sum(e.duplicates for e in dups):,} duplicate consumption(s) in '
-            f"epoch(s) {_e(_few([e.epoch for e in dups]))} of the lineage</li>"
-        )
-    if short:
-        findings.append(
-            f'<li class="bad">finished epoch(s) {_e(_few([e.epoch for e in short]))} '
-            "did not reach every sample (distinct + skipped &lt; dataset length)</li>"
-        )
+    # The findings are the checks' verdicts on the same summary, worded by the checks.
+    findings = [
+        f'<li class="{"ok" if r.ok else "bad"}">{_e(r.check)}: {_e(r.detail)}</li>'
+        for r in (duplicates(s), coverage(s))
+    ]
     if not s.epochs:
         findings.append("<li>the lineage holds no consumed sample yet</li>")
-    elif not dups and not short:
-        findings.append(
-            f'<li class="ok">no duplicate in any epoch of the lineage; each of the {finished} '
-            "finished epoch(s) covered the dataset</li>"
-        )
     findings.append(
         f"<li>{s.abandoned_commits:,} abandoned commit(s), with {s.abandoned_samples:,} "
         "sample(s) seen by discarded models</li>"
@@ -595,8 +581,7 @@ def _page(root: str, s: Summary, con: duckdb.DuckDBPyConnection) -> str:
         ["epoch", "samples", "distinct", "coverage", "duplicates", "skipped", "status"],
         [
             (e.epoch, e.samples, e.distinct, f"{100 * e.coverage:.2f}%", e.duplicates,
-             e.skipped, "duplicates" if e.duplicates else "incomplete" if incomplete(e)
-             else "finished" if e.epoch < finished else "in progress")
+             e.skipped, epoch_status(s, e))
             for e in s.epochs
         ],
         [bool(e.duplicates) or incomplete(e) for e in s.epochs],

@@ -157,6 +157,34 @@ class Summary:
     unreadable_journal_records: int = 0
 
 
+def finished_epochs(s: Summary) -> int:
+    """Epochs of the lineage that are finished: every rank of the head has moved past them.
+
+    The one definition used by the ``coverage`` check and the report: epochs
+    ``0 .. finished_epochs(s) - 1`` are finished, the minimum over the head's ranks of the
+    epoch of their next batch (0 when the log has no commit). An epoch one rank finished
+    and another has not is in progress.
+    """
+    return min((r.epoch for r in s.ranks), default=0)
+
+
+def uncovered_epochs(s: Summary) -> list[int]:
+    """Finished epochs (:func:`finished_epochs`) in which some sample of the dataset was
+    neither consumed nor skipped (``covered < dataset_len``), in order."""
+    covered = {e.epoch: e.covered for e in s.epochs}
+    return [e for e in range(finished_epochs(s)) if covered.get(e, 0) < s.dataset_len]
+
+
+def epoch_status(s: Summary, e: EpochSummary) -> str:
+    """``"duplicates"``, ``"incomplete"`` (finished and not covered), ``"finished"`` or
+    ``"in progress"``: the status the report shows, by the checks' definitions."""
+    if e.duplicates:
+        return "duplicates"
+    if e.epoch < finished_epochs(s):
+        return "finished" if e.covered >= s.dataset_len else "incomplete"
+    return "in progress"
+
+
 def summarize(root: str, head: str | None = None, progress: Progress | None = None) -> Summary:
     """Summarise the log under ``root`` as of ``head``.
 
