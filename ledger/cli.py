@@ -526,30 +526,88 @@ def reconstruct_command(root: str, commit: str, out: str) -> None:
 
 @main.command("verify")
 @click.argument("root")
+@click.option(
+    "--data",
+    is_flag=True,
+    help="Also re-create the batches of --batches through --dataset with the recorded "
+    "seeds and compare each one's content digest with the recorded one.",
+)
+@click.option(
+    "--dataset",
+    metavar="MODULE:NAME",
+    help="With --data: the run's dataset (as for show --materialize).",
+)
+@click.option("--dataset-kwargs", metavar="JSON", help="Keyword arguments for --dataset.")
+@click.option(
+    "--collate",
+    metavar="MODULE:NAME",
+    help="With --data: the run's collate_fn [default: torch's default_collate].",
+)
+@click.option(
+    "--batches",
+    metavar="START:STOP",
+    help="With --data: the batch indexes to re-create [default: every committed batch].",
+)
+@click.option("--rank", default=0, show_default=True, type=click.IntRange(min=0))
 @output_options
-def verify_command(root: str, fmt: str) -> None:
+def verify_command(
+    root: str,
+    data: bool,
+    dataset: str | None,
+    dataset_kwargs: str | None,
+    collate: str | None,
+    batches: str | None,
+    rank: int,
+    fmt: str,
+) -> None:
     """Check the integrity of the log at ROOT (exit status 3 if a check fails).
 
     Markers parse; every parent exists and the chain has no loop; every segment exists
     with its marker's size, SHA-256 and row count, reads as Parquet with the event
     schema and holds only its own attempt and rank; no sample is consumed twice in an
-    epoch of the lineage. Orphan segments are reported.
+    epoch of the lineage. Orphan segments are reported. With --data, the data too: each
+    batch of the range is re-created from the dataset and must have the digest recorded
+    when the model received it (one batch of reads each).
 
     Example:
 
     \b
         ledger verify /runs/exp7
         ledger verify /runs/exp7 --format json
+        ledger verify /runs/exp7 --data --batches 0:100 \\
+            --dataset examples/train_lm.py:StdlibWindows --dataset-kwargs '{"seq_len": 64}'
     """
-    from ledger.audit.checks import verify
+    from ledger.audit.checks import verify, verify_data
 
+    if data and dataset is None:
+        raise click.UsageError("--data needs --dataset")
+    span = _batch_range(batches)
     with _progress("hashing segments") as progress:
         v = verify(root, progress)
-    _print_checks(v.results, fmt)
+    results = list(v.results)
+    if data and v.ok:
+        assert dataset is not None
+        ds = _load_object(dataset, dataset_kwargs)
+        collate_fn = _load_object(collate, None) if collate else None
+        with _progress("re-creating batches") as progress:
+            results.append(
+                verify_data(root, ds, batches=span, rank=rank, collate_fn=collate_fn,
+                            progress=progress)
+            )  # fmt: skip
+    _print_checks(results, fmt)
     if fmt == "table":
         click.echo(f"{v.segments} segments, {v.events} events, {v.bytes} bytes")
-    if not v.ok:
+    if not all(r.ok for r in results):
         sys.exit(CHECK_FAILED)
+
+
+def _batch_range(text: str | None) -> range | None:
+    if text is None:
+        return None
+    start, sep, stop = text.partition(":")
+    if not sep or not start.isdigit() or not stop.isdigit() or int(stop) < int(start):
+        raise click.BadParameter(f"{text!r} is not START:STOP (e.g. 0:100)", param_hint="--batches")
+    return range(int(start), int(stop))
 
 
 @main.command("report")

@@ -242,6 +242,12 @@ class DataLoader:
             the model saw. Turn off for batches holding types it cannot hash.
         rank, world_size: this rank and the number of ranks (default: from
             ``torch.distributed`` if initialised, else 0 and 1).
+        verify_data: on resume (:meth:`load_state_dict`), re-create this rank's last
+            committed batch through the dataset with the recorded seeds and compare its
+            content digest with the one recorded when the model received it: one batch
+            of reads that catches a dataset whose content changed under the same length
+            (:class:`ledger.errors.ConfigMismatch` naming the batch). Needs a run with
+            ``digest=True``; skipped after an elastic resume and before the first commit.
         storage_options: fsspec/s3fs options (credentials, endpoint, retries) when ``log``
             is a URI; default: the standard AWS environment and config files.
 
@@ -278,7 +284,10 @@ class DataLoader:
         rank: int | None = None,
         world_size: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        verify_data: bool = False,
     ) -> None:
+        self._verify_data = verify_data
+        self._collate_fn = collate_fn
         args = torch_args.resolve(
             dataset,
             batch_size=batch_size,
@@ -616,6 +625,8 @@ class DataLoader:
                 )
             else:
                 state = replay(self._ledger.store, head, self._plan, self._order)
+        if self._verify_data and head is not None:
+            self._check_last_batch(head, state)
         self._state = state
         self._resume_from = head
         self._generation += 1  # a live iterator must not keep producing the old stream
@@ -674,6 +685,32 @@ class DataLoader:
                 f"{token['attempt']}: the token is not of this log"
             )
         return head
+
+    def _check_last_batch(self, head: Commit, state: PipelineState) -> None:
+        """Re-create this rank's last committed batch and compare its digest (``verify_data``).
+
+        Raises:
+            ConfigMismatch: if the re-created batch's digest differs from the recorded one.
+        """
+        from ledger.audit.queries import materialize
+
+        if state.batch == 0 or head.world_size != self._plan.world_size:
+            return  # nothing of this rank committed, or batches were numbered in another shape
+        dataset = self._stream.stream if self._stream is not None else self.dataset
+        made = materialize(
+            self._ledger.root, state.batch - 1, dataset, rank=self._plan.rank,
+            collate_fn=self._collate_fn, head=head.id,
+        )  # fmt: skip
+        if made.record.digest is not None and not made.matches:
+            raise ConfigMismatch(
+                "dataset content",
+                made.record.digest,
+                made.digest,
+                f"Batch {state.batch - 1} of rank {self._plan.rank} (samples "
+                f"{made.record.sample_ids[:8].tolist()}...) re-created from the dataset differs "
+                "from the batch the model received: the data changed since it was read. Resume "
+                "with the original data, or start a new run under a new log root.",
+            )
 
 
 def _normal_root(root: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import shutil
 from pathlib import Path
@@ -144,8 +145,6 @@ def test_corruption_matrix(pristine: str, tmp_path: Path, kind: str, how: str) -
 
 
 def _run_id(root: str) -> str:
-    import json
-
     return str(json.loads(Path(root, "run.json").read_text())["run_id"])
 
 
@@ -192,8 +191,6 @@ def test_stray_files_break_nothing(pristine, tmp_path):
 
 
 def test_run_json_without_config_is_named(pristine, tmp_path):
-    import json
-
     root = str(tmp_path / "log")
     shutil.copytree(pristine, root)
     run = json.loads(Path(root, "run.json").read_text())
@@ -297,3 +294,73 @@ def test_report_and_coverage_check_share_one_finished_epoch() -> None:
         ranks=(RankSummary(0, 1, 0, 4, 8, 0), RankSummary(1, 1, 0, 4, 7, 1)),
     )  # fmt: skip
     assert not coverage(done).ok and epoch_status(done, epoch0) == "incomplete"
+
+
+DATASET_PY = '''
+import torch
+
+
+class Data:
+    """Item i is a tensor of i; the ids in ``changed`` read back altered."""
+
+    def __init__(self, n=24, changed=()):
+        self.n, self.changed = n, set(changed)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([i, 1 if i in self.changed else 0]) + torch.rand(2)
+'''
+
+
+def _data_module(tmp_path: Path):
+    import importlib.util
+
+    path = tmp_path / "data_mod.py"
+    path.write_text(DATASET_PY)
+    spec = importlib.util.spec_from_file_location("data_mod", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return path, module.Data
+
+
+def test_verify_data_on_resume_catches_changed_content(tmp_path):
+    from ledger.errors import ConfigMismatch
+
+    path, Data = _data_module(tmp_path)
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(Data(), batch_size=BATCH, shuffle=True, seed=1, log=root)
+    list(take(loader, 4))
+    token = loader.state_dict()
+    last = show(root, 3).sample_ids.tolist()
+    earlier = show(root, 0).sample_ids.tolist()
+
+    def resume(changed, verify_data=True):
+        again = ledger.DataLoader(
+            Data(changed=changed), batch_size=BATCH, shuffle=True, seed=1, log=root,
+            verify_data=verify_data,
+        )  # fmt: skip
+        again.load_state_dict(token)
+        return again
+
+    with pytest.raises(ConfigMismatch, match="dataset content") as e:
+        resume([last[1]])
+    assert e.value.field == "dataset content" and "Batch 3 of rank 0" in str(e.value)
+    resume([last[1]], verify_data=False)  # the option is what reads the batch again
+    resume([earlier[0]])  # one batch of reads: only the last committed batch is compared
+    assert len(list(take(resume([]), 2))) == 2
+
+    # `ledger verify --data` compares every batch of a range.
+    base = ["verify", root, "--data", "--dataset", f"{path}:Data", "--format", "csv"]
+    ok = _cli(*base)
+    assert ok.exit_code == 0 and "data,True,4 batches of rank 0 re-created" in ok.stdout, ok.output
+    kwargs = json.dumps({"changed": [earlier[0]]})
+    bad = _cli(*base, "--dataset-kwargs", kwargs)
+    assert bad.exit_code == 3, bad.output
+    assert "1 of 4 batches of rank 0 re-created from the dataset differ" in bad.stdout
+    assert "batches 0" in bad.stdout
+    assert _cli(*base, "--dataset-kwargs", kwargs, "--batches", "1:4").exit_code == 0
+    usage = _cli(*base, "--batches", "4:1")
+    assert usage.exit_code == 2 and "START:STOP" in usage.output

@@ -7,8 +7,9 @@ problem the check is named after.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import duckdb
 import pyarrow as pa
@@ -24,7 +25,14 @@ from ledger.audit.summary import (
     uncovered_epochs,
 )
 from ledger.audit.views import connect
-from ledger.commits import Commit, SegmentRef, list_commits, read_run
+from ledger.commits import (
+    Commit,
+    SegmentRef,
+    default_head,
+    list_commits,
+    read_commit,
+    read_run,
+)
 from ledger.errors import LogCorrupted
 from ledger.schema import EVENT_SCHEMA
 from ledger.segments import orphans
@@ -350,6 +358,73 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
     return Verification(tuple(results), len(refs), events, nbytes)
 
 
+def verify_data(
+    root: str,
+    dataset: Any,
+    *,
+    batches: range | None = None,
+    rank: int = 0,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    head: str | None = None,
+    progress: Progress | None = None,
+) -> CheckResult:
+    """The ``data`` check: re-create batches from the dataset and compare their digests.
+
+    Each batch of ``batches`` of ``rank`` in the lineage is re-created with
+    :func:`ledger.audit.queries.materialize` (the recorded ids and per-sample seeds) and
+    its content digest compared with the one recorded when the model received it. A
+    dataset whose content changed since (same length, other bytes) fails it.
+
+    Args:
+        root: the log root.
+        dataset: the run's dataset, built as for training (map-style or a Stream).
+        batches: per-rank batch indexes (default: every committed batch of ``rank``).
+        rank: the rank whose batches are re-created.
+        collate_fn: the run's collate function (default: torch's ``default_collate``).
+        head: head commit (default: the newest commit of the newest attempt).
+        progress: called with ``(batches done, batches in all)``.
+
+    Returns:
+        The check's result; the detail names the first batches that differ.
+
+    Raises:
+        CommitNotFound: if the lineage lacks a batch of the range.
+        LogCorrupted: if a segment holding one is damaged.
+    """
+    from ledger.audit.queries import materialize
+
+    if batches is None:
+        store = Store(root)
+        commits = list_commits(store)
+        top = default_head(commits) if head is None else read_commit(store, head)
+        batches = range(top.state(rank).batch if top is not None else 0)
+    differ: list[int] = []
+    unrecorded = 0
+    for done, b in enumerate(batches, 1):
+        made = materialize(root, b, dataset, rank=rank, collate_fn=collate_fn, head=head)
+        if made.record.digest is None:
+            unrecorded += 1
+        elif not made.matches:
+            differ.append(b)
+        if progress is not None:
+            progress(done, len(batches))
+    if differ:
+        shown = ", ".join(str(b) for b in differ[:10]) + (" ..." if len(differ) > 10 else "")
+        return CheckResult(
+            "data",
+            False,
+            f"{len(differ)} of {len(batches)} batches of rank {rank} re-created from the "
+            f"dataset differ from what the model received: batches {shown}",
+        )
+    note = f" ({unrecorded} without a recorded digest, not compared)" if unrecorded else ""
+    return CheckResult(
+        "data",
+        True,
+        f"{len(batches) - unrecorded} batches of rank {rank} re-created with their "
+        f"recorded digests{note}",
+    )
+
+
 def _duplicates(root: str, store: Store) -> CheckResult:
     try:
         con = connect(root)
@@ -430,4 +505,5 @@ def _segment_content(where: str, data: bytes, c: Commit, ref: SegmentRef) -> str
 
 __all__ = [
     "CHECKS", "CheckResult", "Verification", "check", "coverage", "duplicates", "verify",
+    "verify_data",
 ]  # fmt: skip
