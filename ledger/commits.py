@@ -177,6 +177,15 @@ _HINTS = {
 ELASTIC_KEYS = ("world_size", "workers")
 
 
+def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A logged configuration in today's keys: logs written before the RNG modes record
+    ``per_sample_rng`` (``True``: ``rng="sample"``, ``False``: ``rng="off"``)."""
+    if "per_sample_rng" in config and "rng" not in config:
+        config = dict(config)
+        config["rng"] = "sample" if config.pop("per_sample_rng") else "off"
+    return config
+
+
 def open_run(store: Store, config: dict[str, Any]) -> str:
     """Create ``run.json`` for a new run, or check ``config`` against an existing one.
 
@@ -204,7 +213,7 @@ def open_run(store: Store, config: dict[str, Any]) -> str:
         except CommitConflict:
             pass  # another process created it first: check against theirs
     existing = read_run(store)
-    logged: dict[str, Any] = existing["config"]
+    logged: dict[str, Any] = upgrade_config(existing["config"])
     for key in sorted((set(logged) | set(config)) - set(ELASTIC_KEYS)):
         if logged.get(key) != config.get(key):
             raise ConfigMismatch(key, logged.get(key), config.get(key), _HINTS.get(key, ""))

@@ -28,7 +28,12 @@ DIGEST_ALGORITHM = "sha256-canonical-v1"
 
 
 def batch_digest(batch: Any) -> str:
-    """SHA-256 hex digest (64 characters) of a batch's content.
+    """SHA-256 hex digest (64 characters) of a batch's content: :func:`digest_bytes` in hex."""
+    return digest_bytes(batch).hex()
+
+
+def digest_bytes(batch: Any) -> bytes:
+    """SHA-256 digest (32 bytes) of a batch's content, as the log stores it.
 
     Args:
         batch: a collated batch: tensors (any dtype and shape, on any device), numpy
@@ -36,7 +41,7 @@ def batch_digest(batch: Any) -> str:
             ``str``, ``bytes``, ``int``, ``float``, ``bool`` and ``None``.
 
     Returns:
-        The digest, lower-case hex.
+        The 32-byte digest.
 
     Raises:
         TypeError: if the batch holds another type (a custom class); pass
@@ -44,7 +49,7 @@ def batch_digest(batch: Any) -> str:
     """
     h = hashlib.sha256()
     _update(h, batch)
-    return h.hexdigest()
+    return h.digest()
 
 
 def _update(h: Any, x: Any) -> None:

@@ -15,9 +15,11 @@ CRC-32 of the payload (uint32 LE, zlib's, ISO 3309) | payload``, the payload a m
 array:
 
 * header: ``["ledger-journal", version, attempt, rank, after_commit or None]``
-* event: ``[kind, epoch, batch, worker, first_position, ids_bytes, extras]``; ``extras``
-  is ``None`` or a map of the optional columns: ``positions``, ``token_start``,
-  ``token_end``, ``length`` (raw ``int64`` bytes) and ``values`` (list of str or nil).
+* event: ``[kind, epoch, batch, worker, first_position, ids_bytes, extras, digest]``;
+  ``extras`` is ``None`` or a map of the optional columns: ``positions``,
+  ``token_start``, ``token_end``, ``length`` (raw ``int64`` bytes) and ``values`` (list
+  of str or nil); ``digest`` is the batch's 32-byte content digest or nil (records
+  written before it existed have 7 fields).
   Readers ignore keys they do not know, so writers may add columns.
 
 The reader is tolerant: a frame whose checksum, msgpack or fields are wrong is skipped
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import os
 import struct
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -37,7 +40,7 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
-from ledger.schema import KINDS, SAMPLE, SPAN, EventChunk
+from ledger.schema import DIGEST_BYTES, KINDS, SAMPLE, SPAN, EventChunk
 
 MAGIC = "ledger-journal"
 VERSION = 2
@@ -69,6 +72,9 @@ class Journal:
         self.rank = rank
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # Closes the descriptor when the journal is garbage-collected without close():
+        # a process that creates and drops many loaders must not run out of descriptors.
+        self._closer = weakref.finalize(self, os.close, self._fd)
         self._pack = msgpack.Packer(use_bin_type=True).pack
         self.reset(None)
 
@@ -87,7 +93,7 @@ class Journal:
             }
             extras["values"] = chunk.values
         record = [chunk.kind, chunk.epoch, chunk.batch, chunk.worker, chunk.position, ids.data]
-        return _frame(cast(bytes, self._pack([*record, extras])))
+        return _frame(cast(bytes, self._pack([*record, extras, chunk.digest])))
 
     def reset(self, after_commit: str | None) -> None:
         """Empty the journal after a commit; the header names that commit."""
@@ -96,9 +102,9 @@ class Journal:
         os.write(self._fd, _frame(header))
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Close the file (idempotent); its records stay on disk."""
+        self._closer()
+        self._fd = -1
 
 
 def _frame(payload: bytes) -> bytes:
@@ -152,9 +158,12 @@ def _header(rec: Any) -> dict[str, Any]:
 
 def _chunk(rec: Any) -> EventChunk:
     """An event record as a chunk; raises :class:`_Bad` for any field that is wrong."""
-    if not (isinstance(rec, list) and len(rec) == 7):
+    if not (isinstance(rec, list) and len(rec) in (7, 8)):
         raise _Bad("not an event record")
-    kind, epoch, batch, worker, position, raw, extras = rec
+    kind, epoch, batch, worker, position, raw, extras = rec[:7]
+    digest = rec[7] if len(rec) == 8 else None
+    if digest is not None and not (isinstance(digest, bytes) and len(digest) == DIGEST_BYTES):
+        raise _Bad("digest is not 32 bytes")
     if kind not in KINDS:
         raise _Bad(f"unknown kind {kind!r}")
     ids = _array(raw, None)
@@ -175,7 +184,7 @@ def _chunk(rec: Any) -> EventChunk:
             raise _Bad("values is not a list of strings, one per row")
     return EventChunk(
         kind, _int(epoch, 0), _int(batch, 0), _int(worker, -1), _int(position), ids,
-        values=values, **arrays,
+        values=values, digest=digest, **arrays,
     )  # fmt: skip
 
 
@@ -289,5 +298,9 @@ def uncommitted(
         contents = parse_journal(data)
         unreadable[key] = contents.unreadable
         floor = committed.get(key, -1)
-        out[key] = [c for c in contents.chunks if c.kind in (SAMPLE, SPAN) and c.batch >= floor]
+        out[key] = [
+            c.split_digest()[0]
+            for c in contents.chunks
+            if c.kind in (SAMPLE, SPAN) and c.batch >= floor
+        ]
     return out, unreadable

@@ -5,8 +5,9 @@ How a batch flows:
 1. ``_Requests`` (the batch sampler, main process) walks the rank's batch plan from the
    current state and yields ``(epoch, epoch_batch, batch, sample_ids)`` requests; ids come
    from the seeded epoch order, computed a chunk of batches at a time.
-2. ``_Fetch.__getitems__`` (in a worker, or the main process) seeds torch, numpy and
-   ``random`` from ``f(seed, epoch, sample id)`` before each ``dataset[i]``.
+2. ``_Fetch.__getitems__`` (in a worker, or the main process) fetches the batch with the
+   run's RNG mode (:mod:`ledger.fetch`: seeded once per batch by default), through the
+   dataset's ``__getitems__`` when it has one.
 3. ``_TagCollate`` collates with the user's ``collate_fn`` and tags the batch with its
    request and the worker id: the compact per-batch delta the main process needs.
 4. ``DataLoader.__iter__`` receives batches in order, records the batch's events in the
@@ -17,10 +18,12 @@ How a batch flows:
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing
 import os
 import signal
 import sys
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -32,12 +35,13 @@ import torch.utils.data as tud
 
 from ledger import torch_args
 from ledger.commits import Commit, PipelineState, read_run
-from ledger.digest import batch_digest
+from ledger.digest import digest_bytes
 from ledger.errors import CommitNotFound, ConfigMismatch, LedgerError, TokenError, WrongRoot
+from ledger.fetch import RngMode, check_rng, fetch_batch
 from ledger.log import Ledger
-from ledger.order import BatchPlan, EpochOrder, rngs_preserved, sample_seeds, seed_globals
+from ledger.order import BatchPlan, EpochOrder
 from ledger.replay import advance, replay, resume_elastic
-from ledger.schema import ORDER_ALGORITHM, SAMPLE, SKIP, EventChunk, batch_event
+from ledger.schema import ORDER_ALGORITHM, SAMPLE, SKIP, EventChunk
 from ledger.store import Store
 from ledger.stream.driver import StreamDriver
 from ledger.stream.pipeline import Stream
@@ -46,6 +50,8 @@ from ledger.validate import require
 TOKEN_VERSION = 1
 _TOKEN_KEYS = ("version", "root", "run_id", "commit", "attempt", "world_size", "step")
 _CHUNK_POSITIONS = 1 << 14  # positions whose ids are computed in one vectorised call
+
+logger = logging.getLogger("ledger")
 
 
 class MapDataset(Protocol):
@@ -63,12 +69,12 @@ class _Request:
 
 
 class _Fetch(tud.Dataset[Any]):
-    """Wraps the user's dataset: per-sample RNG seeding, batch-request fetching."""
+    """Wraps the user's dataset: fetches a batch request with the run's RNG mode."""
 
-    def __init__(self, dataset: MapDataset, seed: int, per_sample_rng: bool) -> None:
+    def __init__(self, dataset: MapDataset, seed: int, rng: RngMode) -> None:
         self.dataset = dataset
         self.seed = seed
-        self.per_sample_rng = per_sample_rng
+        self.rng = rng
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -76,19 +82,17 @@ class _Fetch(tud.Dataset[Any]):
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
 
-    def __getitems__(self, request: tuple[int, int, int, np.ndarray]) -> tuple[tuple, list]:
-        epoch, epoch_batch, batch, ids = request
-        id_list = ids.tolist()
-        ds = self.dataset
-        if not self.per_sample_rng:
-            getitems = getattr(ds, "__getitems__", None)
-            samples = list(getitems(id_list)) if getitems else [ds[i] for i in id_list]
-            return (epoch, epoch_batch, batch), samples
-        samples = []
-        with rngs_preserved(tud.get_worker_info() is None):
-            for sid, s in zip(id_list, sample_seeds(self.seed, epoch, ids).tolist(), strict=True):
-                seed_globals(s)
-                samples.append(ds[sid])
+    def __getitems__(self, request: tuple[int, int, int, int, np.ndarray]) -> tuple[tuple, list]:
+        epoch, epoch_batch, batch, position, ids = request
+        samples = fetch_batch(
+            self.dataset,
+            ids,
+            seed=self.seed,
+            epoch=epoch,
+            position=position,
+            rng=self.rng,
+            main_process=tud.get_worker_info() is None,
+        )
         return (epoch, epoch_batch, batch), samples
 
 
@@ -104,27 +108,40 @@ class _TagCollate:
         meta, samples = fetched
         info = tud.get_worker_info()
         batch = self.collate_fn(samples)
-        digest = batch_digest(batch) if self.digest else None
+        digest = digest_bytes(batch) if self.digest else None
         return (*meta, info.id if info is not None else -1, digest), batch
 
 
 class _Requests:
-    """Batch sampler: the rest of the current epoch, from the loader's state."""
+    """Batch sampler: the rest of the current epoch, from the loader's state.
+
+    Holds the loader weakly: torch's DataLoader holds this sampler, so a strong reference
+    would be a cycle that keeps a dropped loader (and its persistent workers and journal)
+    alive until a garbage collection.
+    """
 
     def __init__(self, loader: DataLoader) -> None:
-        self._loader = loader
+        self._loader = weakref.ref(loader)
+
+    def _get(self) -> DataLoader:
+        loader = self._loader()
+        if loader is None:
+            raise LedgerError("the ledger.DataLoader of this sampler was garbage-collected")
+        return loader
 
     def __len__(self) -> int:
-        state = self._loader._state
-        return self._loader._plan_at(state).batches_per_epoch - state.epoch_batch
+        loader = self._get()
+        state = loader._state
+        return loader._plan_at(state).batches_per_epoch - state.epoch_batch
 
-    def __iter__(self) -> Iterator[tuple[int, int, int, np.ndarray]]:
-        loader = self._loader
+    def __iter__(self) -> Iterator[tuple[int, int, int, int, np.ndarray]]:
+        loader = self._get()
         state = loader._state
         plan = loader._plan_at(state)
         epoch = state.epoch
         order = loader._order(epoch)
         inflight = loader._inflight
+        del loader  # a suspended generator must not keep the loader alive
         end = plan.batches_per_epoch
         per_chunk = max(1, _CHUNK_POSITIONS // plan.batch_size)
         k, b = state.epoch_batch, state.batch
@@ -142,7 +159,7 @@ class _Requests:
             ):
                 req = _Request(epoch, k, b, start, ids[lo:hi])
                 inflight.append(req)
-                yield epoch, k, b, req.sample_ids
+                yield epoch, k, b, start, req.sample_ids
                 k += 1
                 b += 1
 
@@ -232,14 +249,21 @@ class DataLoader:
             ``torch.utils.data.DataLoader``. ``drop_last=False`` serves a short final
             batch (never padded with duplicates); ``drop_last=True`` logs the dropped
             positions as ``skip`` events.
-        per_sample_rng: seed torch, numpy and ``random`` from ``f(seed, epoch, sample id)``
-            before each ``dataset[i]``, so random augmentation does not depend on the
-            worker. Costs about 9 µs per sample (tools/bench.py); turn off for datasets that draw no
-            random numbers.
+        rng: how torch, numpy and ``random`` are seeded for the dataset (:mod:`ledger.fetch`):
+            ``"batch"`` (default) once per batch from ``(seed, epoch, position of the
+            batch's first sample)``, so augmentation does not depend on the number of
+            workers nor on which one loads a batch (~13 µs per batch); ``"sample"`` before
+            each ``dataset[i]`` from ``(seed, epoch, sample id)``, so it does not depend on
+            the batch either, and survives a change of world size (~13 µs per sample);
+            ``"off"``: not seeded. Streams seed per sample in ``"batch"`` and ``"sample"``
+            (:func:`ledger.stream.pipeline.load_sample`).
+        per_sample_rng: older spelling: ``True`` is ``rng="sample"``, ``False`` is
+            ``rng="off"``.
         digest: record each batch's content digest (SHA-256 of the collated batch,
-            :func:`ledger.digest.batch_digest`, computed in the worker) as a ``batch``
-            event, so ``ledger show --materialize`` can prove a re-created batch is the one
-            the model saw. Turn off for batches holding types it cannot hash.
+            :func:`ledger.digest.digest_bytes`, computed in the worker) in the ``batch``
+            event's ``digest`` column, so ``ledger show --materialize`` can prove a
+            re-created batch is the one the model saw. Turn off for batches holding types
+            it cannot hash.
         rank, world_size: this rank and the number of ranks (default: from
             ``torch.distributed`` if initialised, else 0 and 1).
         verify_data: on resume (:meth:`load_state_dict`), re-create this rank's last
@@ -254,7 +278,12 @@ class DataLoader:
     Raises:
         UnsupportedArgument: (a ``ValueError``) for an argument ledger cannot honour
             exactly; the message says what to pass instead.
-        ValueError: if an epoch would hold no batch.
+        ValueError: if ``rng`` is unknown, or an epoch would hold no batch.
+
+    Note:
+        Use it as a context manager, or call :meth:`close`, in long-lived processes
+        (notebooks, sweeps): that shuts persistent workers down and closes the journal.
+        A loader dropped without either is cleaned up when it is garbage-collected.
     """
 
     def __init__(
@@ -279,7 +308,8 @@ class DataLoader:
         in_order: bool = True,
         log: str | os.PathLike[str] | Ledger,
         seed: int | None = None,
-        per_sample_rng: bool = True,
+        rng: str = "batch",
+        per_sample_rng: bool | None = None,
         digest: bool = True,
         rank: int | None = None,
         world_size: int | None = None,
@@ -317,7 +347,9 @@ class DataLoader:
         self.seed = args.seed
         self._seed_from_torch = args.seed_from_torch
         self.drop_last = bool(drop_last)
-        self.per_sample_rng = bool(per_sample_rng)
+        if per_sample_rng is not None:
+            rng = "sample" if per_sample_rng else "off"
+        self.rng: RngMode = check_rng(rng)
         self._stream: StreamDriver | None = None
         if isinstance(dataset, Stream):
             if drop_last or persistent_workers:
@@ -341,6 +373,7 @@ class DataLoader:
                 log, rank=rank, world_size=world_size, storage_options=storage_options
             )
         self._state = PipelineState(rank, 0, 0, 0)
+        self._closed = False
         self._resume_from: Commit | None = None
         self._resume_skip: EventChunk | None = None
         self._inflight: deque[_Request] = deque()
@@ -371,7 +404,7 @@ class DataLoader:
                 num_workers=num_workers,
                 batch_size=batch_size,
                 collate_fn=collate_fn or _default_collate,
-                per_sample_rng=per_sample_rng,
+                per_sample_rng=self.rng != "off",
                 torch_kwargs=torch_kwargs,
                 store=self._ledger.store,
                 digest=digest,
@@ -380,7 +413,7 @@ class DataLoader:
             self._state = self._stream.initial_state()
             return
         self._torch_loader = tud.DataLoader(
-            _Fetch(dataset, self.seed, per_sample_rng),
+            _Fetch(dataset, self.seed, self.rng),
             batch_sampler=_Requests(self),  # type: ignore[arg-type]  # yields requests
             num_workers=num_workers,
             collate_fn=_TagCollate(collate_fn or _default_collate, digest),  # type: ignore[arg-type]
@@ -416,7 +449,7 @@ class DataLoader:
             "drop_last": self.drop_last,
             "world_size": self._plan.world_size,
             "order": ORDER_ALGORITHM,
-            "per_sample_rng": self.per_sample_rng,
+            "rng": self.rng,
         }
         if self._stream is not None:
             config.update(self._stream.config())
@@ -447,7 +480,12 @@ class DataLoader:
 
     # ------------------------------------------------------------------ iteration
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LedgerError("this ledger.DataLoader is closed: create a new one")
+
     def _ensure_started(self) -> None:
+        self._check_open()
         if self._ledger.attempt is None:
             self._ledger.open(self.config)
             self._start_attempt()
@@ -472,16 +510,12 @@ class DataLoader:
 
     def _serve_stream(self, driver: StreamDriver, generation: int) -> Iterator[Any]:
         start_epoch = self._state.epoch
+        append = self._ledger.append
         try:
             for meta, data in self._torch_loader:
                 self._check_generation(generation)
                 chunk, state = driver.record(self._state, meta)
-                if meta.digest is None:
-                    self._ledger.append(chunk)
-                else:
-                    first = int(chunk.positions[0]) if chunk.positions is not None else 0
-                    digest = batch_event(chunk.epoch, chunk.batch, chunk.worker, first, meta.digest)
-                    self._ledger.append(chunk, digest)
+                append(chunk)
                 self._state = state
                 yield data
             if generation == self._generation:
@@ -498,12 +532,13 @@ class DataLoader:
             )
 
     def _serve(self, generation: int) -> Iterator[Any]:
+        inflight = self._inflight
         try:
             for tagged in self._torch_loader:
                 self._check_generation(generation)
-                epoch, epoch_batch, batch, worker, digest = tagged[0]
-                req = self._inflight.popleft()
-                if (req.epoch, req.epoch_batch, req.batch) != (epoch, epoch_batch, batch):
+                epoch, _, batch, worker, digest = tagged[0]
+                req = inflight.popleft()
+                if req.batch != batch or req.epoch != epoch:
                     raise LedgerError(
                         f"batch {batch} arrived where batch {req.batch} was expected: "
                         "batches must be delivered in order"
@@ -514,19 +549,46 @@ class DataLoader:
             if generation == self._generation:
                 self._iter_epoch = None
 
-    def _record(self, req: _Request, worker: int, digest: str | None) -> None:
+    def _record(self, req: _Request, worker: int, digest: bytes | None) -> None:
         log = self._ledger
-        chunk = EventChunk(SAMPLE, req.epoch, req.batch, worker, req.position, req.sample_ids)
-        if digest is None:
-            log.append(chunk)
-        else:
-            log.append(chunk, batch_event(req.epoch, req.batch, worker, req.position, digest))
-        plan = self._plan_at(self._state)
-        state = advance(self._state, plan)
+        log.append(
+            EventChunk(
+                SAMPLE, req.epoch, req.batch, worker, req.position, req.sample_ids, digest=digest
+            )
+        )
+        state = self._state
+        plan = self._plan if state.epoch_start == 0 else self._plan_at(state)
+        state = self._state = advance(state, plan)
         if state.epoch != req.epoch and plan.rank == 0 and plan.consumed_per_epoch < plan.n:
             tail = self._order(req.epoch).range(plan.consumed_per_epoch, plan.n)
             log.append(EventChunk(SKIP, req.epoch, req.batch, -1, plan.consumed_per_epoch, tail))
-        self._state = state
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Shut persistent workers down and close the journal file; the loader's end.
+
+        Idempotent. Events appended since the last commit stay in the journal (crash
+        forensics) and are not committed: call :meth:`state_dict` first to commit them.
+        Iterating, :meth:`state_dict` and :meth:`load_state_dict` raise ``LedgerError``
+        afterwards.
+        """
+        self._closed = True
+        self._generation += 1  # a live iterator stops at its next batch
+        self._iter_epoch = None
+        iterator = getattr(self._torch_loader, "_iterator", None)
+        if iterator is not None:
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            self._torch_loader._iterator = None
+        self._ledger.close()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ checkpointing
 
@@ -550,13 +612,24 @@ class DataLoader:
             StorageError: if writing fails; the events stay pending and the next call
                 commits them.
         """
+        self._check_open()
         if self._ledger.attempt is None:
             run_id = self._ledger.open(self.config)
             head = self._resume_from
         else:
             snapshot = self._stream.snapshot(self._state) if self._stream is not None else []
+            previous = self._ledger.head
             head = self._ledger.commit(self._state, snapshot)
             run_id = self._ledger.run_id or ""
+            if head is not previous:
+                logger.info(
+                    "rank %d committed %s (step %d, epoch %d) to %s",
+                    self._plan.rank,
+                    head.id,
+                    head.step,
+                    self._state.epoch,
+                    self._ledger.root,
+                )
         return {
             "version": TOKEN_VERSION,
             "root": self._ledger.root,
@@ -588,6 +661,7 @@ class DataLoader:
             LogCorrupted, ResumeMismatch: if replay finds the log inconsistent, or the
                 loader would not continue it exactly.
         """
+        self._check_open()
         token = _check_token(state_dict)
         moved = _normal_root(token["root"]) != self._ledger.root
         self._check_run(token, moved)
@@ -629,6 +703,22 @@ class DataLoader:
             self._check_last_batch(head, state)
         self._state = state
         self._resume_from = head
+        if head is not None and head.world_size != self._plan.world_size:
+            logger.info(
+                "elastic resume of %s: world size %d -> %d at commit %s",
+                self._ledger.root,
+                head.world_size,
+                self._plan.world_size,
+                head.id,
+            )
+        logger.info(
+            "rank %d resumed %s from commit %s: epoch %d, batch %d",
+            self._plan.rank,
+            self._ledger.root,
+            head.id if head is not None else "(start)",
+            state.epoch,
+            state.batch,
+        )
         self._generation += 1  # a live iterator must not keep producing the old stream
         self._iter_epoch = None
         if self._ledger.attempt is not None:

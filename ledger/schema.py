@@ -15,6 +15,9 @@ import pyarrow as pa
 SCHEMA_VERSION = 1
 """Version of the on-disk layout: run.json, markers, segments and journals all carry it."""
 
+DIGEST_BYTES = 32
+"""Bytes of a batch's content digest (SHA-256, :mod:`ledger.digest`)."""
+
 ORDER_ALGORITHM = "feistel-ff1-splitmix64-r6-v1"
 """Name of the epoch-order construction in :mod:`ledger.order`, recorded in run.json."""
 
@@ -28,7 +31,7 @@ SPAN = "span"
 BUFFER = "buffer"
 """A sample held in a shuffle buffer at a commit (``position`` is its slot)."""
 BATCH = "batch"
-"""A batch handed to the training loop: ``value`` is its content digest, no sample."""
+"""A batch handed to the training loop: ``digest`` is its content digest, no sample."""
 KINDS = [SAMPLE, SKIP, SPAN, BUFFER, BATCH]
 
 EVENT_SCHEMA = pa.schema(
@@ -45,6 +48,7 @@ EVENT_SCHEMA = pa.schema(
         pa.field("token_end", pa.int64()),
         pa.field("length", pa.int64()),
         pa.field("value", pa.string()),
+        pa.field("digest", pa.binary(DIGEST_BYTES)),
     ],
     metadata={b"ledger.schema_version": str(SCHEMA_VERSION).encode()},
 )
@@ -69,8 +73,14 @@ EVENT_SCHEMA = pa.schema(
 - ``token_start``, ``token_end`` int64: the span's tokens (``span`` only, else null).
 - ``length`` int64: the sample's length in tokens, EOS included (``span`` only).
 - ``value`` string: JSON of the draws the transform recorded with ``ctx.record``, on the
-  event that first consumed the sample (else null); for ``batch`` events, the digest.
+  event that first consumed the sample (else null). Always JSON or null.
+- ``digest`` fixed-size binary (32 bytes): the batch's content digest (``batch`` events
+  only, else null). Logs written before this column existed lack it (Arrow readers fill
+  nulls) and hold the digest as 64 hex characters in ``value`` instead.
 """
+
+LEGACY_COLUMNS = EVENT_SCHEMA.names[:-1]
+"""Columns of segments written before the ``digest`` column (schema version 1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +98,10 @@ class EventChunk:
         positions: ``int64`` array of positions, shape ``(rows,)``, or ``None``.
         token_start, token_end, length: ``int64`` arrays ``(rows,)`` for spans, or ``None``.
         values: per-row JSON strings (or ``None`` entries), or ``None`` for all null.
+        digest: for a ``sample``/``span`` chunk, the batch's content digest (32 bytes):
+            it becomes one ``batch`` event after the chunk's rows (so recording a batch
+            and its digest is one chunk, one journal record). For a ``batch`` chunk, its
+            own digest. ``None``: no digest.
     """
 
     kind: str
@@ -101,22 +115,62 @@ class EventChunk:
     token_end: np.ndarray | None = None
     length: np.ndarray | None = None
     values: list[str | None] | None = None
+    digest: bytes | None = None
 
     @property
     def rows(self) -> int:
-        return int(self.sample_ids.shape[0])
+        """Rows this chunk becomes in a segment (a digest adds a ``batch`` row)."""
+        extra = self.digest is not None and self.kind != BATCH
+        return int(self.sample_ids.shape[0]) + int(extra)
+
+    def split_digest(self) -> tuple[EventChunk, EventChunk | None]:
+        """``(this chunk without its digest, the batch event carrying it or None)``."""
+        if self.digest is None or self.kind == BATCH:
+            return self, None
+        first = (
+            int(self.positions[0])
+            if self.positions is not None and self.positions.size
+            else self.position
+        )
+        bare = EventChunk(
+            self.kind,
+            self.epoch,
+            self.batch,
+            self.worker,
+            self.position,
+            self.sample_ids,
+            self.positions,
+            self.token_start,
+            self.token_end,
+            self.length,
+            self.values,
+        )
+        return bare, batch_event(self.epoch, self.batch, self.worker, first, self.digest)
 
 
-def batch_event(epoch: int, batch: int, worker: int, position: int, digest: str) -> EventChunk:
-    """The ``batch`` event recording the content digest of one batch.
+def batch_event(epoch: int, batch: int, worker: int, position: int, digest: bytes) -> EventChunk:
+    """The ``batch`` event recording the content digest (32 bytes) of one batch.
 
     ``position`` is the position of the batch's first sample: a value in the run of the
     column's neighbours keeps its delta encoding narrow (an outlier such as -1 would
     widen every value of its Parquet miniblock).
     """
-    return EventChunk(
-        BATCH, epoch, batch, worker, position, np.array([-1], np.int64), values=[digest]
-    )
+    return EventChunk(BATCH, epoch, batch, worker, position, _NO_SAMPLE, digest=digest)
+
+
+_NO_SAMPLE = np.array([-1], np.int64)
+_NO_SAMPLE.flags.writeable = False
+
+
+def _expand(chunks: list[EventChunk]) -> list[EventChunk]:
+    """Chunks with the digests of ``sample``/``span`` chunks split into ``batch`` chunks."""
+    out: list[EventChunk] = []
+    for c in chunks:
+        bare, digest = c.split_digest()
+        out.append(bare)
+        if digest is not None:
+            out.append(digest)
+    return out
 
 
 def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Table:
@@ -133,6 +187,8 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
     Returns:
         A table of ``sum(chunk.rows)`` rows.
     """
+    if any(c.digest is not None for c in chunks):
+        chunks = _expand(chunks)
     counts = np.fromiter((c.rows for c in chunks), dtype=np.int64, count=len(chunks))
     total = int(counts.sum())
     starts = np.cumsum(counts) - counts  # each chunk's first row
@@ -178,6 +234,16 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
                 index[start : start + c.rows] = np.arange(len(strings), len(strings) + c.rows)
                 strings.extend(c.values)
         values = pa.array(strings, pa.string()).take(pa.array(index, mask=index < 0))
+    if all(c.digest is None for c in chunks):
+        digests = pa.nulls(total, pa.binary(DIGEST_BYTES))
+    else:
+        index = np.full(total, -1, np.int64)
+        raw: list[bytes] = []
+        for c, start in zip(chunks, starts.tolist(), strict=True):
+            if c.digest is not None:
+                index[start] = len(raw)
+                raw.append(c.digest)
+        digests = pa.array(raw, pa.binary(DIGEST_BYTES)).take(pa.array(index, mask=index < 0))
     kinds = pa.DictionaryArray.from_arrays(
         pa.array(rep([KINDS.index(c.kind) for c in chunks], np.int8)), pa.array(KINDS)
     )
@@ -195,6 +261,7 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
             "token_end": optional("token_end"),
             "length": optional("length"),
             "value": values,
+            "digest": digests,
         },
         schema=EVENT_SCHEMA,
     )

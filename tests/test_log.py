@@ -69,9 +69,10 @@ def test_prefetched_batches_are_not_consumed(root):
     assert token["step"] == 3
     events = _events(root)
     assert [e["batch"] for e in events if e["kind"] == "sample"] == [0, 0, 1, 1, 2, 2]
-    # One 'batch' event per consumed batch, holding the digest of what the loop received.
-    digests = [(e["batch"], e["value"]) for e in events if e["kind"] == "batch"]
-    assert digests == [(b, batch_digest(x)) for b, x in enumerate(received)]
+    # One 'batch' event per consumed batch, holding the digest of what the loop received
+    # in its own 32-byte column; `value` stays JSON (here: null).
+    digests = [(e["batch"], e["digest"], e["value"]) for e in events if e["kind"] == "batch"]
+    assert digests == [(b, bytes.fromhex(batch_digest(x)), None) for b, x in enumerate(received)]
     assert len(events) == 9
 
 
@@ -137,12 +138,14 @@ def test_journal_holds_uncommitted_batches_and_tolerates_a_torn_tail(root):
         data = f.read()
     header, chunks = read_journal(data)
     assert header["after_commit"] == token["commit"]
-    assert [c.kind for c in chunks] == ["sample", "batch"] * 2
-    assert [c.sample_ids.tolist() for c in chunks[::2]] == consumed
-    assert [c.batch for c in chunks] == [1, 1, 2, 2]
-    _, torn = read_journal(data[:-5])  # a crash mid-write: batch 2's digest record is torn
-    assert [(c.kind, c.batch) for c in torn] == [("sample", 1), ("batch", 1), ("sample", 2)]
-    assert [c.sample_ids.tolist() for c in torn[::2]] == consumed
+    # One record per batch: its samples and its content digest.
+    assert [c.kind for c in chunks] == ["sample"] * 2
+    assert [c.sample_ids.tolist() for c in chunks] == consumed
+    assert [c.batch for c in chunks] == [1, 2]
+    assert all(c.digest is not None and len(c.digest) == 32 for c in chunks)
+    _, torn = read_journal(data[:-5])  # a crash mid-write: batch 2's record is torn
+    assert [(c.kind, c.batch) for c in torn] == [("sample", 1)]
+    assert [c.sample_ids.tolist() for c in torn] == consumed[:1]
 
 
 def test_stateful_with_distributed_checkpoint(root, tmp_path):
@@ -184,7 +187,7 @@ def test_hf_style_dataset_with_getitems(root):
         def __getitems__(self, keys):
             return [self[k] for k in keys]
 
-    loader = ledger.DataLoader(Rows(), batch_size=4, shuffle=True, log=root, per_sample_rng=False)
+    loader = ledger.DataLoader(Rows(), batch_size=4, shuffle=True, log=root, rng="off")
     batches = list(loader)
     texts = [t for b in batches for t in b["text"]]
     assert sorted(texts) == sorted(f"row {i}" for i in range(9))
@@ -195,9 +198,7 @@ def test_hf_style_dataset_with_getitems(root):
 
 def test_bytes_per_event_near_information_content(root):
     n = 1 << 16
-    loader = ledger.DataLoader(
-        list(range(n)), batch_size=256, shuffle=True, log=root, per_sample_rng=False
-    )
+    loader = ledger.DataLoader(list(range(n)), batch_size=256, shuffle=True, log=root, rng="off")
     list(loader)
     loader.state_dict()
     size = sum(
@@ -239,21 +240,17 @@ def test_resume_from_a_segment_of_many_row_groups(root):
 
     n = ROW_GROUP_ROWS * 3 + 1000
     reference = ledger.DataLoader(
-        list(range(n)), batch_size=1000, shuffle=True, log=root + "r", per_sample_rng=False
+        list(range(n)), batch_size=1000, shuffle=True, log=root + "r", rng="off"
     )
     expected = [b.tolist() for b in take(reference, 200)]
-    loader = ledger.DataLoader(
-        list(range(n)), batch_size=1000, shuffle=True, log=root, per_sample_rng=False
-    )
+    loader = ledger.DataLoader(list(range(n)), batch_size=1000, shuffle=True, log=root, rng="off")
     list(take(loader, 199))  # crosses the epoch end (198 batches) into epoch 1
     token = loader.state_dict()
     segment = next(
         os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "events")) for f in fs
     )
     assert pq.ParquetFile(segment).num_row_groups >= 3
-    resumed = ledger.DataLoader(
-        list(range(n)), batch_size=1000, shuffle=True, log=root, per_sample_rng=False
-    )
+    resumed = ledger.DataLoader(list(range(n)), batch_size=1000, shuffle=True, log=root, rng="off")
     resumed.load_state_dict(token)
     assert resumed.epoch == 1 and resumed.state.epoch_batch == 1
     assert next(iter(resumed)).tolist() == expected[199]

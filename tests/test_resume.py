@@ -82,7 +82,7 @@ def test_drop_last_false_last_batch_is_short_and_real(root):
 
 def test_batches_match_torch_dataloader(root):
     ds = Augmented(17)
-    ours = ledger.DataLoader(ds, batch_size=5, shuffle=False, log=root, per_sample_rng=False)
+    ours = ledger.DataLoader(ds, batch_size=5, shuffle=False, log=root, rng="off")
     theirs = torch.utils.data.DataLoader(ds, batch_size=5, shuffle=False)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a["id"], b["id"])

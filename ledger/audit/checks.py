@@ -34,7 +34,7 @@ from ledger.commits import (
     read_run,
 )
 from ledger.errors import LogCorrupted
-from ledger.schema import EVENT_SCHEMA
+from ledger.schema import EVENT_SCHEMA, LEGACY_COLUMNS
 from ledger.segments import orphans
 from ledger.store import Store, sha256
 
@@ -492,7 +492,7 @@ def _segment_content(where: str, data: bytes, c: Commit, ref: SegmentRef) -> str
     if meta.num_rows != ref.rows:
         return f"{where} has {meta.num_rows} rows, the marker says {ref.rows}"
     names = meta.schema.to_arrow_schema().names
-    if names != EVENT_SCHEMA.names:
+    if names not in (EVENT_SCHEMA.names, LEGACY_COLUMNS):
         return f"{where} has columns {names}, not the event schema"
     for col, want in (("attempt", c.attempt), ("rank", ref.rank)):
         i = names.index(col)

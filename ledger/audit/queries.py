@@ -234,7 +234,7 @@ def show(root: str, batch: int, rank: int = 0, head: str | None = None) -> Batch
             events = table.filter(pc.is_in(kinds, pa.array(CONSUMED_KINDS)))
             if events.num_rows == 0:
                 continue
-            digests = table.filter(pc.equal(kinds, BATCH))["value"].to_pylist()
+            digests = _digests(table.filter(pc.equal(kinds, BATCH)))
             return BatchRecord(
                 rank=rank,
                 batch=batch,
@@ -248,6 +248,16 @@ def show(root: str, batch: int, rank: int = 0, head: str | None = None) -> Batch
         f"the lineage of {head or 'the default head'} in {store.uri} holds no batch {batch} "
         f"of rank {rank}: it was not reached, or not committed"
     )
+
+
+def _digests(rows: pa.Table) -> list[str]:
+    """Hex digests of ``batch`` rows: the ``digest`` column, or in logs written before
+    it existed, ``value``."""
+    if "digest" in rows.column_names:
+        found = [d.hex() for d in rows["digest"].to_pylist() if d is not None]
+        if found:
+            return found
+    return [v for v in rows["value"].to_pylist() if v is not None]
 
 
 RECONSTRUCT_SCHEMA = pa.schema(
@@ -375,11 +385,12 @@ def materialize(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     head: str | None = None,
 ) -> Materialized:
-    """Re-create a logged batch through the dataset, with the recorded per-sample seeds.
+    """Re-create a logged batch through the dataset, with the run's seeds.
 
-    Map-style datasets: ``dataset[i]`` for each logged id, with torch, numpy and
-    ``random`` seeded from ``f(seed, epoch, i)`` when the run used ``per_sample_rng``,
-    then ``collate_fn``. Streams (:class:`ledger.stream.Stream`): each sample re-read
+    Map-style datasets: the logged ids fetched as the loader fetched them
+    (:func:`ledger.fetch.fetch_batch` with the run's RNG mode: seeded once per batch from
+    ``(seed, epoch, first position)``, or per sample from ``(seed, epoch, i)``), then
+    ``collate_fn``. Streams (:class:`ledger.stream.Stream`): each sample re-read
     from its shard and transformed with its seed; packed streams re-pack the logged
     token spans into sequences. The global RNG states are restored afterwards.
 
@@ -401,31 +412,32 @@ def materialize(
     import torch.utils.data as tud
 
     from ledger.digest import batch_digest
-    from ledger.order import rngs_preserved, sample_seeds, seed_globals
+    from ledger.fetch import fetch_batch, rng_of
     from ledger.stream.pipeline import Stream, rebuild_batch
 
     record = show(root, batch, rank, head)
     config = read_run(Store(root))["config"]
     collate = collate_fn or tud.default_collate
     seed = int(config["seed"])
-    per_sample = bool(config.get("per_sample_rng", True))
+    rng = rng_of(config)
     if isinstance(dataset, Stream):
-        data = rebuild_batch(dataset, seed, record.epoch, record.events, per_sample, collate)
+        data = rebuild_batch(dataset, seed, record.epoch, record.events, rng != "off", collate)
     else:
         if len(dataset) != config["dataset_len"]:
             raise LedgerError(
                 f"the dataset has {len(dataset)} samples, the run's had "
                 f"{config['dataset_len']}: pass the dataset the run trained on"
             )
-        ids = record.sample_ids
-        samples = []
-        with rngs_preserved(True):
-            for sid, s in zip(
-                ids.tolist(), sample_seeds(seed, record.epoch, ids).tolist(), strict=True
-            ):
-                if per_sample:
-                    seed_globals(s)
-                samples.append(dataset[sid])
+        position = int(record.events["position"][0].as_py())
+        samples = fetch_batch(
+            dataset,
+            record.sample_ids,
+            seed=seed,
+            epoch=record.epoch,
+            position=position,
+            rng=rng,
+            main_process=True,
+        )
         data = collate(samples)
     digest = batch_digest(data)
     return Materialized(record, data, digest, digest == record.digest)

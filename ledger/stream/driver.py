@@ -197,6 +197,7 @@ class StreamDriver:
             token_end=spans[:, 1] if spans is not None else None,
             length=spans[:, 2] if spans is not None else None,
             values=values,
+            digest=meta.digest,
         )
         after = next_worker(self.replicas, meta.worker)
         if after < 0:  # every logical worker of the rank finished: the epoch is over

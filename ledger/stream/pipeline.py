@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ledger.commits import WorkerState
-from ledger.digest import batch_digest
+from ledger.digest import digest_bytes
 from ledger.errors import LedgerError
 from ledger.order import (
     EpochOrder,
@@ -340,8 +340,8 @@ class BatchMeta:
         spans: ``int64 (rows, 3)``: ``token_start, token_end, length`` per span, or
             ``None`` without packing.
         draws: per row, the JSON of the draws recorded for the sample, or ``None``.
-        digest: content digest of the batch (:func:`ledger.digest.batch_digest`), or
-            ``None`` when the loader does not record digests.
+        digest: content digest of the batch (32 bytes, :func:`ledger.digest.digest_bytes`),
+            or ``None`` when the loader does not record digests.
     """
 
     worker: int
@@ -349,7 +349,7 @@ class BatchMeta:
     sample_ids: np.ndarray
     spans: np.ndarray | None
     draws: list[str | None]
-    digest: str | None = None
+    digest: bytes | None = None
 
 
 class Replica:
@@ -771,7 +771,7 @@ class StreamDataset(torch.utils.data.IterableDataset):
             if item is None:
                 return
             if self.digest:
-                item[0].digest = batch_digest(item[1])
+                item[0].digest = digest_bytes(item[1])
             yield item
 
 
