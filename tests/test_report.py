@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -24,6 +25,7 @@ SECTIONS = [
     "Duplicates over time",
     "Per-rank progress",
     "Ranks at the head",
+    "Wall-clock time",
     "Commits and abandoned branches",
     "Attempts",
     "Orphan segments and uncommitted work",
@@ -64,8 +66,8 @@ def test_page_is_self_contained(page: str) -> None:
 
 
 def test_page_has_every_plot_and_section(page: str) -> None:
-    assert page.count("<svg") == 4
-    assert page.count('<div class="plot"><svg') == 4
+    assert page.count("<svg") == 5
+    assert page.count('<div class="plot"><svg') == 5
     for title in SECTIONS:
         assert f">{title}</h" in page, title
     assert f"run <code>{RUN_ID}</code>" in page
@@ -77,7 +79,7 @@ def test_svg_ids_are_unique_across_plots(page: str) -> None:
     defined = re.findall(r'\bid="([^"]+)"', page)
     assert len(defined) == len(set(defined))
     prefixes = {d.split("-", 1)[0] for d in defined}
-    assert {"coverage", "duplicates", "ranks", "timeline"} <= prefixes
+    assert {"coverage", "duplicates", "ranks", "clock", "timeline"} <= prefixes
 
 
 def test_epochs_table_shows_the_duplicate_of_epoch_1(page: str) -> None:
@@ -198,6 +200,76 @@ def test_log_without_commits(tmp_path: Path) -> None:
     f = LogFactory(tmp_path / "log")
     f.attempt(0, None)
     page = write_report(str(f.root), tmp_path / "r.html").read_text()
-    assert page.count("<svg") == 4
+    assert page.count("<svg") == 5
     assert "head <code>none</code>" in page
     assert "the lineage holds no consumed sample yet" in page
+
+
+def test_wall_clock_shows_the_time_before_each_restart(log: LogFactory, page: str) -> None:
+    con = connect(str(log.root))
+    commits, gaps = report._clock(con)
+    t = datetime.datetime
+    # From the last commit before each attempt started to its start: 55, 53 and 53 min.
+    assert gaps == [
+        (1, t(2025, 1, 2, 0, 5), t(2025, 1, 2, 1, 0)),
+        (2, t(2025, 1, 2, 1, 7), t(2025, 1, 2, 2, 0)),
+        (3, t(2025, 1, 2, 2, 7), t(2025, 1, 2, 3, 0)),
+    ]
+    # Resumed attempts of the lineage start at their parent's step (4 and 7).
+    assert (t(2025, 1, 2, 1, 0), 4, 1, True) in commits
+    assert (t(2025, 1, 2, 2, 0), 7, 2, True) in commits
+    assert (t(2025, 1, 2, 0, 5), 5, 0, False) in commits
+    assert "3 restart(s); 2 h 41 min between the last commit before a restart" in page
+
+
+def test_times_are_utc_with_z_and_ids_never_wrap(page: str) -> None:
+    assert '<td class="">2025-01-02T03:04:05Z</td>' in page  # run.json's created_at
+    assert "white-space: nowrap" in page
+    assert '<div class="scroll"><table>' in page
+
+
+def test_coverage_axis_zooms_when_an_epoch_has_barely_begun() -> None:
+    curves = [report._Curve(epoch=0, start=0, x=(1, 2), consumed=(4, 8), distinct=(4, 8))]
+    # 8 of 10,000 ids (0.08%): the axis tops at 0.104%, not 100%, so the line climbs.
+    assert report._coverage_axis_top(curves, 10_000) == pytest.approx(0.104)
+    assert report._coverage_axis_top(curves, 10) == 105.0  # 80%: the 0-100% axis
+    assert report._coverage_axis_top(curves, None) is None
+    assert report._coverage_plot(curves, 10_000, set()) != report._coverage_plot(curves, 10, set())
+
+
+def _jsonl(directory: Path, files: int, docs: int) -> None:
+    directory.mkdir()
+    for f in range(files):
+        with open(directory / f"part-{f}.jsonl", "w") as out:
+            for d in range(docs):
+                out.write(json.dumps({"text": "x" * (3 + 5 * d + f)}) + "\n")
+
+
+def test_token_figures_of_a_packed_run(tmp_path: Path) -> None:
+    from conftest import packed_stream
+
+    import ledger
+
+    _jsonl(tmp_path / "shards", 2, 5)
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(
+        packed_stream(str(tmp_path / "shards"), shuffle_buffer=2, seq_len=16),
+        batch_size=2, shuffle=True, seed=1, log=root,
+    )  # fmt: skip
+    tokens = padding = sequences = 0
+    for batch in loader:  # one epoch: the last sequence of each worker is padded
+        owner = batch["sample_ids"]
+        tokens += int((owner != -1).sum())
+        padding += int((owner == -1).sum())
+        sequences += int(owner.shape[0])
+    loader.state_dict()
+    got = report._tokens(connect(root), 16)
+    assert got == [report._Tokens(0, tokens, tokens + padding)]
+    assert padding > 0 and (tokens + padding) == 16 * sequences
+    page = write_report(root, tmp_path / "r.html").read_text()
+    assert ">Tokens (packed stream)</h2>" in page
+    share = f"{100 * padding / (tokens + padding):.2f}%"
+    table = page.split(">Tokens (packed stream)</h2>", 1)[1].split("</table>", 1)[0]
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", table)
+    assert cells == ["0", str(sequences), f"{tokens:,}", str(padding), share]
+    assert f"{tokens:,} tokens seen (EOS included) in {sequences} sequences of 16" in page

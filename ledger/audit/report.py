@@ -1,4 +1,4 @@
-"""A self-contained HTML report of a log: the audit summary as tables, and four plots.
+"""A self-contained HTML report of a log: the audit summary as tables, and five plots.
 
 The page has no external resource (no script, stylesheet, font or image is fetched): the
 plots are inline SVG drawn by matplotlib's object-oriented API (no pyplot, no global
@@ -14,6 +14,7 @@ not 10**8 Python objects.
 from __future__ import annotations
 
 import bisect
+import datetime
 import html
 import io
 import math
@@ -30,6 +31,7 @@ from ledger.audit.checks import coverage, duplicates
 from ledger.audit.queries import output_file
 from ledger.audit.summary import CONSUMED, Summary, epoch_status, summarize
 from ledger.audit.views import connect
+from ledger.commits import read_run
 from ledger.segments import orphans
 from ledger.store import Store
 
@@ -71,12 +73,16 @@ def write_report(root: str, out: str | os.PathLike[str], head: str | None = None
 
     The page shows the run and the head, tables of the attempts, the epochs of the
     head's lineage (samples, coverage, duplicates, skipped positions), the ranks at the
-    head, uncommitted work and orphan segments, and four inline SVG plots: coverage per
-    epoch and cumulative duplicates per epoch (both against the training step, i.e. the
-    per-rank batch index + 1), samples consumed per rank against the commit step, and the
-    commit timeline with abandoned branches. The same log and head always give the same
+    head, uncommitted work and orphan segments, token figures of a packed run (tokens
+    seen, padding share), and five inline SVG plots: coverage per epoch (the axis zooms
+    while an epoch is barely begun) and cumulative duplicates per epoch (both against the
+    training step, i.e. the per-rank batch index + 1), samples consumed per rank against
+    the commit step, commits against wall-clock time (the time before each restart
+    shaded), and the commit timeline with abandoned branches. Cells never wrap (commit ids
+    are copied whole); wide tables scroll. The same log and head always give the same
     bytes. Cost: about four scans of the lineage's events in DuckDB (one more over each
-    epoch that holds a duplicate); about 5 s for 2 * 10**7 events here.
+    epoch that holds a duplicate, one of the spans of a packed run); about 5 s for 2 * 10**7
+    events here (before the token figures and the wall-clock plot were added).
 
     Args:
         root: the log root (a local directory).
@@ -236,6 +242,75 @@ def _rank_progress(
     return {}, [(int(x), int(lo), float(mid), int(hi)) for x, lo, mid, hi in band]
 
 
+@dataclass(frozen=True, slots=True)
+class _Tokens:
+    """Token figures of one epoch of a packed lineage (``span`` events).
+
+    Attributes:
+        epoch: the epoch.
+        tokens: tokens handed to the training loop (EOS included), per span
+            ``token_end - token_start``.
+        slots: sequence positions they filled: per batch, the batch's tokens rounded up to
+            whole sequences of ``seq_len`` (only a worker's last sequence of an epoch is
+            padded, and it ends its batch).
+    """
+
+    epoch: int
+    tokens: int
+    slots: int
+
+
+def _tokens(con: duckdb.DuckDBPyConnection, seq_len: int) -> list[_Tokens]:
+    """Tokens and padded sequence positions per epoch of the lineage (one scan of spans)."""
+    rows = con.execute(
+        f"""
+        SELECT epoch, sum(t), sum(ceil(t / {int(seq_len)}) * {int(seq_len)}) FROM (
+            SELECT epoch, rank, batch, sum(token_end - token_start) AS t
+            FROM lineage WHERE kind = 'span' GROUP BY ALL
+        ) GROUP BY 1 ORDER BY 1
+        """
+    ).fetchall()
+    return [_Tokens(int(e), int(t), int(slots)) for e, t, slots in rows]
+
+
+def _clock(
+    con: duckdb.DuckDBPyConnection,
+) -> tuple[list[tuple[Any, int, int, bool]], list[tuple[int, Any, Any]]]:
+    """Commits against wall-clock time, and the gap before each restart.
+
+    Returns:
+        ``(commits, gaps)``: ``(created_at, step, attempt, in_lineage)`` per commit, and
+        per resumed attempt of the lineage its start at its parent's step, by time; per
+        attempt after the first, ``(attempt, last commit before it started or
+        the previous attempt's start, its start)``: time in which nothing was committed,
+        the job being down or its work since the last commit lost.
+    """
+    commits = [
+        (t, int(step), int(a), bool(lin))
+        for t, step, a, lin in con.execute(
+            "SELECT created_at, step, attempt, in_lineage FROM commits ORDER BY created_at, step"
+        ).fetchall()
+    ]
+    starts = con.execute("SELECT attempt, created_at FROM attempts ORDER BY attempt").fetchall()
+    gaps = []
+    for i, (attempt, start) in enumerate(starts):
+        if i == 0 or start is None:
+            continue
+        before = [c[0] for c in commits if c[0] <= start]
+        last = max(before) if before else starts[i - 1][1]
+        if last is not None and last < start:
+            gaps.append((int(attempt), last, start))
+    # An attempt starts at its parent's step: its line begins at (start time, that step).
+    for a, began, step in con.execute(
+        "SELECT a.attempt, a.created_at, c.step FROM attempts AS a JOIN commits AS c "
+        "ON c.commit_id = a.parent WHERE a.attempt IN (SELECT attempt FROM commits "
+        "WHERE in_lineage) ORDER BY 1"
+    ).fetchall():
+        commits.append((began, int(step), int(a), True))
+    commits.sort(key=lambda c: (c[0], c[1]))
+    return commits, gaps
+
+
 def _orphans(root: str, con: duckdb.DuckDBPyConnection) -> list[str]:
     """Segment files under ``events/`` that no commit marker names (relative paths)."""
     named = {r[0] for r in con.execute("SELECT path FROM segments").fetchall()}
@@ -292,6 +367,16 @@ def _label_epochs(ax: Axes, curves: Sequence[_Curve]) -> None:
                 va="bottom", fontsize=8, color=_epoch_color(c.epoch))  # fmt: skip
 
 
+def _coverage_axis_top(curves: Sequence[_Curve], dataset_len: int | None) -> float | None:
+    """Top of the coverage axis in %: 105 once an epoch reached half the dataset; below
+    that 1.3 times the highest point, so a barely begun epoch is not a flat line at 0
+    (``None``: no dataset length, the axis counts ids)."""
+    if not dataset_len:
+        return None
+    top = max((100.0 * d / dataset_len for c in curves for d in c.distinct), default=0.0)
+    return 105.0 if top >= 50 else max(top * 1.3, 1e-3)
+
+
 def _coverage_plot(curves: Sequence[_Curve], dataset_len: int | None, short: set[int]) -> str:
     fig, ax = _figure()
     ax.set_xlabel(_STEP)
@@ -300,14 +385,26 @@ def _coverage_plot(curves: Sequence[_Curve], dataset_len: int | None, short: set
         return _svg(fig, "coverage")
     scale = 100.0 / dataset_len if dataset_len else 1.0
     ax.set_ylabel("% of the dataset's ids seen" if dataset_len else "distinct ids seen")
-    if dataset_len:
+    axis_top = _coverage_axis_top(curves, dataset_len)
+    if axis_top == 105.0:
         ax.axhline(100, color="#555555", linestyle="--", linewidth=0.8)
         ax.set_ylim(0, 105)
+    elif axis_top is not None:
+        ax.set_ylim(0, axis_top)
+        ax.text(0.99, 0.97, f"axis zoomed to {axis_top:.3g}%: 100% is far above",
+                transform=ax.transAxes, ha="right", va="top", fontsize=8,
+                color="#555555")  # fmt: skip
     for c in curves:
         ys = [0.0] + [d * scale for d in c.distinct]
         ax.plot([c.start, *c.x], ys, color=_epoch_color(c.epoch), linewidth=1.6)
         if c.epoch in short:
             ax.plot([c.x[-1]], [ys[-1]], marker="o", color=_ABANDONED, markersize=5)
+    last = curves[-1]
+    pct = f"{last.distinct[-1] * scale:.3g}% " if dataset_len else ""
+    of = f" of {dataset_len:,}" if dataset_len else ""
+    ax.annotate(f"epoch {last.epoch}: {pct}({last.distinct[-1]:,}{of} ids)",
+                (last.x[-1], last.distinct[-1] * scale), textcoords="offset points",
+                xytext=(-4, 6), ha="right", fontsize=8, color=_epoch_color(last.epoch))  # fmt: skip
     ax.set_xlim(left=0)
     _label_epochs(ax, curves)
     return _svg(fig, "coverage")
@@ -383,6 +480,52 @@ def _ranks_plot(
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper left", fontsize=8, ncols=min(4, max(1, len(lines))))
     return _svg(fig, "ranks")
+
+
+def _clock_plot(
+    commits: Sequence[tuple[Any, int, int, bool]], gaps: Sequence[tuple[int, Any, Any]]
+) -> str:
+    from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
+
+    fig, ax = _figure()
+    ax.set_xlabel("wall-clock time (UTC)")
+    ax.set_ylabel("commit step")
+    if not commits:
+        _empty(ax, "no commit yet")
+        return _svg(fig, "clock")
+    for attempt, lo, hi in gaps:
+        ax.axvspan(lo, hi, color=_ABANDONED, alpha=0.12, linewidth=0)
+        ax.axvline(hi, color="#888888", linestyle=":", linewidth=1)
+        ax.text(hi, 1.02, f" attempt {attempt}", transform=ax.get_xaxis_transform(),
+                fontsize=8, va="bottom", color="#555555")  # fmt: skip
+    dropped = [(t, step) for t, step, _, lin in commits if not lin]
+    kept = sorted({a for _, _, a, lin in commits if lin})
+    for i, attempt in enumerate(kept):  # one line per attempt: none crosses a restart
+        pts = [(t, step) for t, step, a, lin in commits if lin and a == attempt]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=_LINEAGE, marker="o",
+                markersize=3 if len(pts) <= 300 else 0, linewidth=1.6,
+                label="commits in the lineage" if i == 0 else None)  # fmt: skip
+    if dropped:
+        ax.scatter([d[0] for d in dropped], [d[1] for d in dropped], marker="X", s=30,
+                   color=_ABANDONED, zorder=3, label="abandoned commit")  # fmt: skip
+    if gaps:
+        ax.axvspan(gaps[0][1], gaps[0][1], color=_ABANDONED, alpha=0.12,
+                   label="no commit before a restart (down, or work lost)")  # fmt: skip
+    locator = AutoDateLocator()
+    ax.xaxis.set_major_locator(locator)
+    ax.xaxis.set_major_formatter(ConciseDateFormatter(locator))
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize=8)
+    return _svg(fig, "clock")
+
+
+def _duration(seconds: float) -> str:
+    """``"2 h 05 min"``, ``"4 min 10 s"`` or ``"12.5 s"``."""
+    if seconds >= 3600:
+        return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+    if seconds >= 60:
+        return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+    return f"{seconds:.1f} s"
 
 
 def _timeline_plot(con: duckdb.DuckDBPyConnection) -> str:
@@ -478,7 +621,10 @@ body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; ma
 h1 { margin-bottom: 0.2em; } h2 { margin-top: 2em; border-bottom: 1px solid #ddd; }
 code { background: #f3f3f3; padding: 0 0.25em; border-radius: 3px; }
 table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.92em; }
-th, td { border: 1px solid #ddd; padding: 0.25em 0.7em; text-align: right; }
+.scroll { overflow-x: auto; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.7em; text-align: right; white-space: nowrap; }
+th { white-space: normal; }
+code { white-space: nowrap; }
 th { background: #f6f6f6; } td.l, th.l { text-align: left; }
 tr.bad td { background: #fde8e8; } .bad { color: #b00020; font-weight: 600; }
 .ok { color: #1b7f3b; font-weight: 600; }
@@ -492,6 +638,8 @@ def _e(value: Any) -> str:
     """``value`` as escaped HTML text; ints get thousands separators (``1,234,567``)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
+    if isinstance(value, datetime.datetime):  # the views hold naive UTC times
+        return value.strftime("%Y-%m-%dT%H:%M:%SZ")
     return html.escape("" if value is None else str(value), quote=True)
 
 
@@ -511,7 +659,11 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], bad: Sequence[
         cells = "".join(f'<td class="{"l" if i == 0 else ""}">{_e(v)}</td>'
                         for i, v in enumerate(row))  # fmt: skip
         body.append(f"<tr{cls}>{cells}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    # Cells never wrap (commit ids are copied whole); a wide table scrolls instead.
+    return (
+        f'<div class="scroll"><table><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table></div>"
+    )
 
 
 def _section(title: str, *parts: str) -> str:
@@ -542,6 +694,9 @@ def _page(root: str, s: Summary, con: duckdb.DuckDBPyConnection) -> str:
         """
     ).fetchall()
     orphans = _orphans(root, con)
+    clock, gaps = _clock(con)
+    packer = read_run(Store(root))["config"].get("packer")
+    tokens = _tokens(con, int(packer["seq_len"])) if packer else []
     created = {int(a): (t, h) for a, t, h in con.execute(
         "SELECT attempt, created_at, host FROM attempts").fetchall()}  # fmt: skip
     n = s.dataset_len
@@ -566,6 +721,19 @@ def _page(root: str, s: Summary, con: duckdb.DuckDBPyConnection) -> str:
         f"<li>{lost:,} batch(es) consumed and never committed (journals); "
         f"{len(orphans)} orphan segment(s)</li>"
     )
+    if gaps:
+        down = sum((hi - lo).total_seconds() for _, lo, hi in gaps)
+        findings.append(
+            f"<li>{len(gaps)} restart(s); {_e(_duration(down))} between the last commit "
+            "before a restart and the restart (down, or work lost)</li>"
+        )
+    if tokens:
+        seen, slots = sum(t.tokens for t in tokens), sum(t.slots for t in tokens)
+        findings.append(
+            f"<li>{seen:,} tokens seen (EOS included) in {slots // int(packer['seq_len']):,} "
+            f"sequences of {int(packer['seq_len']):,}; padding "
+            f"{100 * (slots - seen) / max(slots, 1):.2f}% of the positions</li>"
+        )
     behind = [r for r in s.ranks if r.behind]
     findings.append(
         f"<li>stragglers at the head: {_e(', '.join(f'rank {r.rank}' for r in behind)) or 'none'}"
@@ -573,9 +741,10 @@ def _page(root: str, s: Summary, con: duckdb.DuckDBPyConnection) -> str:
     )
 
     run_table = _table(
-        ["run id", "created", "dataset length", "seed", "shuffle", "batch size", "drop_last",
-         "world size", "order"],
-        [(*run[:3], str(run[3]), *run[4:])],  # a seed is a name, not a count: no "1,234"
+        ["run", ""],
+        zip(["run id", "created (UTC)", "dataset length", "seed", "shuffle", "batch size",
+             "drop_last", "world size", "order"],
+            [*run[:3], str(run[3]), *run[4:]], strict=True),  # a seed is a name: no "1,234"
     )  # fmt: skip
     epochs_table = _table(
         ["epoch", "samples", "distinct", "coverage", "duplicates", "skipped", "status"],
@@ -595,6 +764,26 @@ def _page(root: str, s: Summary, con: duckdb.DuckDBPyConnection) -> str:
             for a in s.attempts
         ],
         [bool(a.uncommitted_batches) for a in s.attempts],
+    )  # fmt: skip
+    tokens_part = (
+        _section(
+            "Tokens (packed stream)",
+            _table(
+                ["epoch", "sequences", "tokens", "padding", "padding share"],
+                [
+                    (t.epoch, t.slots // int(packer["seq_len"]), t.tokens, t.slots - t.tokens,
+                     f"{100 * (t.slots - t.tokens) / max(t.slots, 1):.2f}%")
+                    for t in tokens
+                ],
+            ),
+            _note(
+                "Per epoch of the lineage: sequences handed to the training loop, the tokens "
+                "in them (each sample's tokens and its EOS, from the logged spans), and the "
+                "positions filled with padding (a worker's last sequence of an epoch)."
+            ),
+        )
+        if tokens
+        else ""
     )  # fmt: skip
     ranks_table = _table(
         ["rank", "epoch", "epoch batch", "batches", "samples", "behind"],
@@ -651,6 +840,7 @@ def _page(root: str, s: Summary, con: duckdb.DuckDBPyConnection) -> str:
                 "length."
             ),
         ),
+        tokens_part,
         _section(
             "Coverage per epoch",
             f'<div class="plot">{_coverage_plot(curves, n, {e.epoch for e in short})}</div>',
@@ -688,6 +878,18 @@ def _page(root: str, s: Summary, con: duckdb.DuckDBPyConnection) -> str:
             "<h3>Ranks at the head</h3>",
             ranks_table if s.ranks else "<p>No commit yet.</p>",
             f"<p>{skew}</p>",
+        ),
+        _section(
+            "Wall-clock time",
+            f'<div class="plot">{_clock_plot(clock, gaps)}</div>',
+            _note(
+                "Every commit at the time its marker was written (UTC): blue along the "
+                "lineage, red crosses abandoned. A shaded stretch ends where an attempt "
+                "started after a crash or a stop, and begins at the last commit before "
+                "it: the job was down, or what it did since that commit was lost. A flat "
+                "stretch without shading is a slow step or a long interval between "
+                "checkpoints."
+            ),
         ),
         _section(
             "Commits and abandoned branches",
