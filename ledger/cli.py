@@ -453,10 +453,12 @@ def show_command(
         assert dataset is not None
         ds = _load_object(dataset, dataset_kwargs)
         collate_fn = _load_object(collate, None) if collate else None
-        made = materialize_batch(root, batch, ds, rank=rank, collate_fn=collate_fn, head=head)
+        with _progress(f"re-creating batch {batch}"):
+            made = materialize_batch(root, batch, ds, rank=rank, collate_fn=collate_fn, head=head)
         record = made.record
     else:
-        record = show(root, batch, rank, head)
+        with _progress(f"finding batch {batch}"):
+            record = show(root, batch, rank, head)
     columns = ["position", "sample_id", "kind", "token_start", "token_end", "length", "value"]
     events = record.events.select(columns)
     if fmt in ("json", "ndjson"):
@@ -718,18 +720,20 @@ def _print_table(
 ) -> None:
     from rich.table import Table
 
-    first: list[tuple[str, ...]] = []
-    last: collections.deque[tuple[str, ...]] = collections.deque(maxlen=max_rows // 2 or None)
+    first: list[tuple[Any, ...]] = []
+    last: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=max_rows // 2 or None)
     count = 0
-    for row in rows:
+    head = max_rows - max_rows // 2 if max_rows else None
+    for row in rows:  # only the rows shown are formatted; the others are counted
         count += 1
-        cells = tuple(_cell(v) for v in row)
-        if not max_rows or len(first) < max_rows - max_rows // 2:
-            first.append(cells)
+        if head is None or len(first) < head:
+            first.append(row)
         else:
-            last.append(cells)
+            last.append(row)
     hidden = count - len(first) - len(last)
-    shown = [*first, *([("…",) * len(columns)] if hidden else []), *last]
+    shown = [tuple(_cell(v) for v in row) for row in first]
+    shown += [("…",) * len(columns)] if hidden else []
+    shown += [tuple(_cell(v) for v in row) for row in last]
     table = Table(*columns)
     # Every column as wide as its longest cell: values are never cut or wrapped (ids are
     # copied whole); a table wider than the terminal wraps as a whole, as DuckDB's does.
