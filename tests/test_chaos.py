@@ -1,0 +1,27 @@
+"""A handful of chaos trials (tools/chaos.py): random-time SIGKILLs, resume, exact stream.
+
+The full run (200+ trials over every scenario) is a tool run, not a test; this one keeps
+the tool working and catches a regression in the commonest paths.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "chaos.py"
+
+
+def test_chaos_handful(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(TOOL.parent.parent)}
+    done = subprocess.run(
+        [sys.executable, str(TOOL), "--trials", "3", "--seed", "1", "--timeout", "120",
+         "--scenarios", "map-2,stream-0,packed-2", "--workdir", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    all_row = next(line for line in done.stdout.splitlines() if "all" in line)
+    assert [c.strip() for c in all_row.strip("│ ").split("│")] == ["all", "3", "0", "0", "0"]
+    assert "actual kills:" in done.stdout
