@@ -7,6 +7,9 @@ class LedgerError(Exception):
     """Base class of every error ledger raises on purpose."""
 
 
+_WHOLE: object = object()
+
+
 class ConfigMismatch(LedgerError):
     """The loader's configuration differs from the one the log was written with.
 
@@ -16,7 +19,13 @@ class ConfigMismatch(LedgerError):
         found: the value of the loader being resumed.
     """
 
-    def __init__(self, field: str, expected: object, found: object, hint: str = "") -> None:
+    def __init__(
+        self, field: str, expected: object = _WHOLE, found: object = _WHOLE, hint: str = ""
+    ) -> None:
+        if expected is _WHOLE:  # one whole message: re-raised from a DataLoader worker
+            super().__init__(field)
+            self.field, self.expected, self.found = "", None, None
+            return
         self.field = field
         self.expected = expected
         self.found = found

@@ -365,3 +365,49 @@ def test_verify_data_on_resume_catches_changed_content(tmp_path):
     assert _cli(*base, "--dataset-kwargs", kwargs, "--batches", "1:4").exit_code == 0
     usage = _cli(*base, "--batches", "4:1")
     assert usage.exit_code == 2 and "START:STOP" in usage.output
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_changed_stream_row_is_caught_where_it_is_read_again(tmp_path, workers):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ledger.errors import ConfigMismatch
+    from ledger.stream import ShardedSource, Stream
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for s in range(2):
+        ids = list(range(s * 12, s * 12 + 12))
+        # Uncompressed and without statistics: an edit of a value leaves the footer as it was.
+        pq.write_table(
+            pa.table({"id": ids, "text": [f"row {i:03d}" for i in ids]}),
+            shards / f"s{s}.parquet", row_group_size=4, compression="NONE",
+            write_statistics=False,
+        )  # fmt: skip
+    root = str(tmp_path / "log")
+
+    def make():
+        source = ShardedSource(str(shards / "*.parquet"))
+        return ledger.DataLoader(
+            Stream(source, shuffle_buffer=5), batch_size=2, shuffle=True, seed=2, log=root,
+            num_workers=workers, collate_fn=lambda rows: [r["text"] for r in rows],
+        )  # fmt: skip
+
+    loader = make()
+    list(take(loader, 3))
+    token = loader.state_dict()
+    assert os.listdir(os.path.join(root, "data", "rowgroups"))  # recorded when first read
+    fresh = make()
+    fresh.load_state_dict(token)
+    expected = list(take(fresh, 2))
+    for path in shards.iterdir():  # the same bytes count, another value in every row
+        data = path.read_bytes()
+        footer = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+        path.write_bytes(data[:footer].replace(b"row ", b"ROW ") + data[footer:])
+    with pytest.raises(ConfigMismatch, match=r"s[01]\.parquet row group \d+") as e:
+        resumed = make()
+        resumed.load_state_dict(token)  # the footers still match the run's fingerprint
+        list(take(resumed, 2))
+    assert "holds other rows than when this run first read it" in str(e.value)
+    assert expected and all(t.startswith("row ") for b in expected for t in b)

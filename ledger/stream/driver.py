@@ -68,6 +68,7 @@ class StreamDriver:
         self.world_size = world_size
         self.workers = max(num_workers, 1)
         self.store = store
+        stream.source.record_digests(store)  # changed rows are caught where they are read
         self.dataset = StreamDataset(
             stream,
             seed,

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ledger.errors import ConfigMismatch
-from ledger.store import Files
+from ledger.errors import CommitConflict, ConfigMismatch, LedgerError
+from ledger.store import Files, Store
 
 _JSONL_BLOCK = 1024  # lines read per request when streaming a JSONL shard
 
@@ -82,6 +83,8 @@ class ShardedSource:
         rows = np.array([i.rows for i in infos], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         self._cache: tuple[int, int, list[dict[str, Any]]] | None = None
+        self._digests: Store | None = None  # see record_digests
+        self._known: dict[tuple[int, int], str] = {}
 
     # -------------------------------------------------------------- metadata
 
@@ -146,7 +149,12 @@ class ShardedSource:
     # -------------------------------------------------------------- reading
 
     def iter_shard(self, shard: int, start_row: int = 0) -> Iterator[dict[str, Any]]:
-        """Rows of shard ``shard`` from ``start_row`` on, as dicts, read block by block."""
+        """Rows of shard ``shard`` from ``start_row`` on, as dicts, read block by block.
+
+        Raises:
+            ConfigMismatch: if a row group's content differs from when the run first
+                read it (with :meth:`record_digests`).
+        """
         path = self._files.paths[shard]
         if path.endswith(".parquet"):
             starts = self._row_groups[shard]
@@ -154,7 +162,7 @@ class ShardedSource:
             with self._files.open(path) as f:
                 pf = pq.ParquetFile(f)
                 for g in range(max(first, 0), pf.num_row_groups):
-                    rows = pf.read_row_group(g, columns=self.columns).to_pylist()
+                    rows = self._checked(shard, g, pf.read_row_group(g, columns=self.columns))
                     skip = start_row - int(starts[g]) if g == first else 0
                     yield from rows[skip:]
         else:
@@ -188,10 +196,61 @@ class ShardedSource:
             g = int(np.searchsorted(starts, row, side="right") - 1)
             if self._cache is None or self._cache[:2] != (shard, g):
                 with self._files.open(path) as f:
-                    rows = pq.ParquetFile(f).read_row_group(g, columns=self.columns).to_pylist()
-                self._cache = (shard, g, rows)
+                    table = pq.ParquetFile(f).read_row_group(g, columns=self.columns)
+                self._cache = (shard, g, self._checked(shard, g, table))
             return self._cache[2][row - int(starts[g])]
         return self._jsonl_rows(shard, row, row + 1)[0]
+
+    def record_digests(self, store: Store | None) -> None:
+        """Record each Parquet row group's digest in ``store`` the first time it is read,
+        and check it on every later read (a resume re-reading buffered rows, a later
+        epoch): a same-size edit inside a data page, which the footer fingerprint of
+        :meth:`check` cannot see, then raises :class:`ConfigMismatch` naming the shard and
+        row group. JSONL shards are hashed whole by the fingerprint already.
+
+        Args:
+            store: the log root (digests go to ``data/rowgroups/``), or ``None`` to stop.
+        """
+        self._digests = store
+        self._known = {}
+
+    def _checked(self, shard: int, g: int, table: pa.Table) -> list[dict[str, Any]]:
+        store = self._digests
+        if store is not None:
+            self._check_digest(store, shard, g, table)
+        return table.to_pylist()
+
+    def _check_digest(self, store: Store, shard: int, g: int, table: pa.Table) -> None:
+        # The Arrow IPC stream of the decoded rows: deterministic for equal content.
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        found = hashlib.sha256(sink.getvalue()).hexdigest()
+        key = (shard, g)
+        recorded = self._known.get(key)
+        if recorded is None:
+            rel = f"data/rowgroups/shard={shard}/{g}.sha256"
+            try:
+                recorded = store.read_bytes(rel).decode(errors="replace").strip()
+            except FileNotFoundError:
+                try:
+                    store.create_exclusive(rel, found.encode())
+                    recorded = found
+                except CommitConflict:  # another worker or rank recorded it first
+                    recorded = store.read_bytes(rel).decode(errors="replace").strip()
+            except LedgerError:
+                raise
+            self._known[key] = recorded
+        if recorded != found:
+            path = self._files.paths[shard]
+            raise ConfigMismatch(
+                f"{path} row group {g}",
+                recorded,
+                found,
+                f"Row group {g} of shard {shard} ({path}) holds other rows than when this run "
+                "first read it: the data changed under the same footer. Restore the original "
+                "file, or start a new run under a new log root.",
+            )
 
     def _jsonl_rows(self, shard: int, lo: int, hi: int) -> list[dict[str, Any]]:
         lines = self._lines[shard]
@@ -237,9 +296,11 @@ class ShardedSource:
         state = {k: getattr(self, k) for k in ("_files", "columns", "infos", "offsets")}
         state["_row_groups"] = self._row_groups
         state["_lines"] = self._lines
+        state["_digests"] = self._digests
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
             setattr(self, k, v)
         self._cache = None
+        self._known = {}
