@@ -13,6 +13,12 @@ RNG modes (``DataLoader(rng=...)``, recorded in ``run.json``):
   batch composition). Costs ~13 µs per sample.
 * ``"off"``: nothing is seeded (for datasets that draw no random numbers).
 
+Streams (:class:`ledger.stream.Stream`) are not fetched by batch: a sample is loaded
+when a worker reads it into its shuffle buffer, and re-read alone on resume. Their
+transform draws from ``ctx.rng``, seeded per sample in every mode; ``"sample"`` also
+seeds torch, numpy and ``random`` before each sample (:func:`ledger.stream.pipeline.
+load_sample`); ``"batch"`` and ``"off"`` leave them alone.
+
 A dataset with ``__getitems__`` (HF ``datasets.Dataset``, ``torch.utils.data.Subset``)
 is always fetched a batch at a time: one ``__getitems__`` call per batch. Its batch code
 runs once, so it is seeded once per batch in the ``"sample"`` mode too (with the batch

@@ -255,8 +255,10 @@ class DataLoader:
             workers nor on which one loads a batch (~13 µs per batch); ``"sample"`` before
             each ``dataset[i]`` from ``(seed, epoch, sample id)``, so it does not depend on
             the batch either, and survives a change of world size (~13 µs per sample);
-            ``"off"``: not seeded. Streams seed per sample in ``"batch"`` and ``"sample"``
-            (:func:`ledger.stream.pipeline.load_sample`).
+            ``"off"``: not seeded. A :class:`~ledger.stream.Stream`'s transform draws from
+            ``ctx.rng`` (seeded per sample from ``(seed, epoch, sample id)`` in every mode,
+            as Grain's random transforms get their own generator); ``"sample"`` also
+            seeds torch, numpy and ``random`` before each sample of a stream.
         per_sample_rng: older spelling: ``True`` is ``rng="sample"``, ``False`` is
             ``rng="off"``.
         digest: record each batch's content digest (SHA-256 of the collated batch,
@@ -404,7 +406,7 @@ class DataLoader:
                 num_workers=num_workers,
                 batch_size=batch_size,
                 collate_fn=collate_fn or _default_collate,
-                per_sample_rng=self.rng != "off",
+                per_sample_rng=self.rng == "sample",
                 torch_kwargs=torch_kwargs,
                 store=self._ledger.store,
                 digest=digest,
@@ -686,7 +688,7 @@ class DataLoader:
             head = None
             if self._stream is not None:
                 state = self._stream.initial_state()
-                self._stream.buffers = {}
+                self._stream.reset({})
             else:
                 state = PipelineState(self._plan.rank, 0, 0, 0)
         else:
@@ -703,14 +705,20 @@ class DataLoader:
             self._check_last_batch(head, state)
         self._state = state
         self._resume_from = head
-        if head is not None and head.world_size != self._plan.world_size:
-            logger.info(
-                "elastic resume of %s: world size %d -> %d at commit %s",
-                self._ledger.root,
-                head.world_size,
-                self._plan.world_size,
-                head.id,
-            )
+        if head is not None:
+            old_workers = len(head.states[0].workers) if head.states else 0
+            new_workers = self._stream.workers if self._stream is not None else old_workers
+            if head.world_size != self._plan.world_size or old_workers != new_workers:
+                logger.info(
+                    "elastic resume of %s at commit %s: world size %d -> %d, "
+                    "logical workers per rank %d -> %d",
+                    self._ledger.root,
+                    head.id,
+                    head.world_size,
+                    self._plan.world_size,
+                    old_workers,
+                    new_workers,
+                )
         logger.info(
             "rank %d resumed %s from commit %s: epoch %d, batch %d",
             self._plan.rank,

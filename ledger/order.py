@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -199,6 +200,16 @@ def sample_seeds(seed: int, epoch: int, sample_ids: np.ndarray) -> np.ndarray:
     """
     key = np.uint64(derive_key(seed, epoch, 0x5EED))
     return _mix(np.asarray(sample_ids).astype(np.uint64) ^ key) & np.uint64(SEED_MASK)
+
+
+@functools.lru_cache(maxsize=64)
+def _sample_key(seed: int, epoch: int) -> int:
+    return derive_key(seed, epoch, 0x5EED)
+
+
+def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
+    """One sample's seed: :func:`sample_seeds` for a single id, without numpy (~1 µs)."""
+    return _mix_scalar((sample_id & _M64) ^ _sample_key(seed, epoch)) & SEED_MASK
 
 
 def batch_seed(seed: int, epoch: int, position: int) -> int:

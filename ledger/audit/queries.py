@@ -421,7 +421,7 @@ def materialize(
     seed = int(config["seed"])
     rng = rng_of(config)
     if isinstance(dataset, Stream):
-        data = rebuild_batch(dataset, seed, record.epoch, record.events, rng != "off", collate)
+        data = rebuild_batch(dataset, seed, record.epoch, record.events, rng == "sample", collate)
     else:
         if len(dataset) != config["dataset_len"]:
             raise LedgerError(

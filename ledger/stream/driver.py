@@ -1,7 +1,7 @@
 """The main-process side of a stream: fold consumed batches, snapshot, replay.
 
 :class:`ledger.DataLoader` delegates here when it is given a :class:`Stream`. The driver
-keeps one ids-only :class:`~ledger.stream.pipeline.Replica` per logical worker, folds each
+keeps one ids-only :class:`~ledger.stream.replica.Replica` per logical worker, folds each
 batch the training loop receives into it, logs the batch, and at each commit logs the
 replicas' buffer contents as ``buffer`` events; their cursors go into the marker.
 """
@@ -25,14 +25,12 @@ from ledger.stream.pipeline import (
     BatchMeta,
     EpochPlan,
     Piece,
-    Replica,
     Stream,
     StreamDataset,
     carry_over,
     identity,
-    next_worker,
-    replicas,
 )
+from ledger.stream.replica import Replica, next_worker, replicas
 
 
 class StreamDriver:
@@ -88,8 +86,9 @@ class StreamDriver:
             collate_fn=identity,
             **torch_kwargs,
         )
-        self.buffers: dict[int, list[int]] = {}
+        self.buffers: dict[int, list[int]] = {}  # at the state the replicas started from
         self.replicas: list[Replica] = []
+        self._states: list[WorkerState] = []
         self._plans: dict[tuple[int, str, int, int], EpochPlan] = {}
         self._carries: dict[tuple[str, int, int], dict[int, Any] | None] = {}
 
@@ -152,12 +151,25 @@ class StreamDriver:
                 return PipelineState(self.rank, epoch, 0, batch, workers, 0, origin=origin)
             epoch += 1
 
+    def current_buffers(self) -> dict[int, list[int]]:
+        """Each logical worker's buffer contents now, by worker, in slot order."""
+        if self.replicas:
+            return {r.worker: r.feed.buffer() for r in self.replicas}
+        return self.buffers
+
+    def reset(self, buffers: dict[int, list[int]]) -> None:
+        """Forget the replicas: the next :meth:`begin` starts from ``buffers``."""
+        self.buffers = buffers
+        self.replicas = []
+
     def begin(self, state: PipelineState) -> None:
         """Prepare an iteration from ``state`` (workers are forked with this state)."""
         plan = self.plan(state.epoch, state.origin)
+        self.buffers = self.current_buffers()
         self.replicas = replicas(
             self.stream, plan, self.rank, self.seed, state.workers, self.buffers
         )
+        self._states = [r.state() for r in self.replicas]
         if all(r.exhausted() for r in self.replicas):
             raise LedgerError(
                 f"rank {self.rank} gets no shard in epoch {state.epoch}: the stream has "
@@ -184,7 +196,7 @@ class StreamDriver:
         replica = self.replicas[meta.worker]
         replica.fold(meta)
         positions = self.plan(state.epoch, state.origin).positions(meta.sample_ids)
-        values = meta.draws if any(d is not None for d in meta.draws) else None
+        values = meta.draws
         spans = meta.spans
         chunk = EventChunk(
             SPAN if spans is not None else SAMPLE,
@@ -202,16 +214,17 @@ class StreamDriver:
         )
         after = next_worker(self.replicas, meta.worker)
         if after < 0:  # every logical worker of the rank finished: the epoch is over
-            self.buffers = {}
+            self.reset({})
             nxt = self.epoch_start(state.epoch + 1, state.batch + 1, state.origin)
         else:
-            self.buffers = {r.worker: list(r.feed.ids) for r in self.replicas}
+            # Only the folded worker moved: the others' states are reused.
+            self._states[meta.worker] = replica.state()
             nxt = PipelineState(
                 self.rank,
                 state.epoch,
                 state.epoch_batch + 1,
                 state.batch + 1,
-                tuple(r.state() for r in self.replicas),
+                tuple(self._states),
                 after,
                 origin=state.origin,
             )
@@ -241,7 +254,7 @@ class StreamDriver:
                 np.array(ids, np.int64),
                 positions=np.arange(len(ids), dtype=np.int64),
             )
-            for worker, ids in sorted(self.buffers.items())
+            for worker, ids in sorted(self.current_buffers().items())
             if ids
         ]
 
@@ -261,7 +274,7 @@ class StreamDriver:
         self.store = store
         states = head.states
         if head.world_size != self.world_size or len(states[0].workers) != self.workers:
-            self.buffers = {}
+            self.reset({})
             ahead = states[0]
             return self.epoch_start(min(s.epoch for s in states), ahead.batch, head.id)
         state = head.state(self.rank)
@@ -277,7 +290,7 @@ class StreamDriver:
                     f"holds {len(ids)}"
                 )
             self._check_read(plan.pieces(self.rank, w.worker), w, ids, head.id)
-        self.buffers = buffers
+        self.reset(buffers)
         return state
 
     def _snapshot(self, head: Commit, state: PipelineState) -> dict[int, list[int]]:

@@ -9,10 +9,11 @@ worker is a pure function of its state (:class:`ledger.commits.WorkerState`) and
 buffer's contents.
 
 The main process never sees data it does not consume: it keeps an ids-only *replica* of
-each logical worker (the same :class:`DocFeed` without payloads), folds every consumed
-batch into it, checks that the batch is what the replica predicts, and snapshots the
-replicas at each commit. A resume rebuilds each worker from its replica: it re-reads the
-rows in its buffer and the document its packer was in the middle of, and nothing else.
+each logical worker (:mod:`ledger.stream.replica`, the same stream computed a chunk at a
+time), folds every consumed batch into it, checks that the batch is what the replica
+predicts, and snapshots the replicas at each commit. A resume rebuilds each worker from
+its replica: it re-reads the rows in its buffer and the document its packer was in the
+middle of, and nothing else.
 
 Shuffle buffer algorithm: the reservoir-style buffer of ``tf.data.Dataset.shuffle``
 (fill to ``size``; then each output is a uniformly drawn slot, refilled with the next
@@ -37,7 +38,7 @@ from ledger.order import (
     _mix_scalar,
     derive_key,
     rngs_preserved,
-    sample_seeds,
+    sample_seed,
     seed_globals,
 )
 from ledger.stream.source import ShardedSource
@@ -339,7 +340,8 @@ class BatchMeta:
         sample_ids: ``int64 (rows,)``: one per sample (no packing) or per span.
         spans: ``int64 (rows, 3)``: ``token_start, token_end, length`` per span, or
             ``None`` without packing.
-        draws: per row, the JSON of the draws recorded for the sample, or ``None``.
+        draws: per row, the JSON of the draws recorded for the sample (or ``None``);
+            ``None`` when no row recorded any.
         digest: content digest of the batch (32 bytes, :func:`ledger.digest.digest_bytes`),
             or ``None`` when the loader does not record digests.
     """
@@ -348,61 +350,8 @@ class BatchMeta:
     epoch: int
     sample_ids: np.ndarray
     spans: np.ndarray | None
-    draws: list[str | None]
+    draws: list[str | None] | None
     digest: bytes | None = None
-
-
-class Replica:
-    """Ids-only mirror of one logical worker, folded from the batches consumed from it."""
-
-    def __init__(
-        self, feed: DocFeed, worker: int, doc: tuple[int, int, int] | None, tails: list[Tail]
-    ) -> None:
-        self.feed = feed
-        self.worker = worker
-        self.doc = doc
-        self.tails = list(tails)
-
-    def exhausted(self) -> bool:
-        return self.feed.exhausted() and self.doc is None and not self.tails
-
-    def state(self) -> WorkerState:
-        return self.feed.state(self.worker, self.doc, self.tails)
-
-    def fold(self, meta: BatchMeta) -> None:
-        """Advance by one consumed batch, checking it is what the plan predicts.
-
-        Raises:
-            LedgerError: if the batch differs from the prediction (the data or the
-                worker's code is not deterministic).
-        """
-        ids = meta.sample_ids.tolist()
-        if meta.spans is None:
-            for sid in ids:
-                self._expect(sid)
-            return
-        for sid, (start, end, length) in zip(ids, meta.spans.tolist(), strict=True):
-            if self.doc is None:
-                if self.tails:  # samples partly packed by another shape come first
-                    self.doc = self.tails.pop(0)
-                elif start == 0:
-                    self._expect(sid)
-                    self.doc = (sid, 0, length)
-            if self.doc is None or self.doc[:2] != (sid, start):
-                raise LedgerError(
-                    f"worker {self.worker} packed tokens [{start}, {end}) of sample {sid}, "
-                    f"but its packer was at {self.doc}"
-                )
-            self.doc = (sid, end, length) if end < length else None
-
-    def _expect(self, sid: int) -> None:
-        nxt = self.feed.next()
-        if nxt is None or nxt[0] != sid:
-            raise LedgerError(
-                f"worker {self.worker} produced sample {sid}, but the plan says "
-                f"{nxt[0] if nxt else 'the end of its epoch'}: the pipeline is not "
-                "deterministic (changed data, or a transform that changes the order)"
-            )
 
 
 class WorkerRun:
@@ -503,7 +452,8 @@ class WorkerRun:
             ids.append(nxt[0])
             items.append(nxt[1][0])
             draws.append(nxt[1][1])
-        return BatchMeta(self.worker, self.epoch, np.array(ids, np.int64), None, draws), items
+        meta = BatchMeta(self.worker, self.epoch, np.array(ids, np.int64), None, _drawn(draws))
+        return meta, items
 
     def _sequences(self) -> tuple[BatchMeta, Any]:
         packer = self.stream.packer
@@ -544,7 +494,7 @@ class WorkerRun:
             self.epoch,
             np.array(ids, np.int64),
             np.array(spans, np.int64).reshape(-1, 3),
-            draws,
+            _drawn(draws),
         )
         if not tokens:
             return meta, None
@@ -553,6 +503,12 @@ class WorkerRun:
             "sample_ids": torch.from_numpy(np.stack(owners)),
         }
         return meta, data
+
+
+def _drawn(draws: list[str | None]) -> list[str | None] | None:
+    """``None`` for a batch whose samples recorded no draws (the common case), so the
+    main process need not look at each row."""
+    return draws if any(d is not None for d in draws) else None
 
 
 def load_sample(
@@ -569,7 +525,7 @@ def load_sample(
     with ``per_sample_rng`` torch, numpy and ``random`` are seeded from it too. A packed
     stream's item is its tokens (``int64 (length,)``) with the EOS token appended.
     """
-    s = int(sample_seeds(seed, epoch, np.array([sid]))[0])
+    s = sample_seed(seed, epoch, sid)
     if per_sample_rng:
         seed_globals(s)
     ctx = SampleContext(sid, epoch, s)
@@ -652,41 +608,6 @@ def rebuild_batch(
         "tokens": torch.from_numpy(np.stack(tokens)),
         "sample_ids": torch.from_numpy(np.stack(owners)),
     }
-
-
-def replicas(
-    stream: Stream,
-    plan: EpochPlan,
-    rank: int,
-    seed: int,
-    states: tuple[WorkerState, ...],
-    buffers: dict[int, list[int]],
-) -> list[Replica]:
-    """Ids-only replicas of a rank's logical workers at the given states and buffers."""
-    out = []
-    for st in states:
-        feed = DocFeed(
-            stream.source,
-            plan.pieces(rank, st.worker),
-            st,
-            buffers.get(st.worker, []),
-            None,
-            stream.shuffle_buffer,
-            buffer_key(seed, plan.epoch, rank, st.worker),
-        )
-        doc = (st.doc, st.doc_offset, st.doc_length) if st.doc >= 0 else None
-        out.append(Replica(feed, st.worker, doc, list(st.tails)))
-    return out
-
-
-def next_worker(reps: list[Replica], after: int) -> int:
-    """The first logical worker after ``after`` (cyclically) that is not exhausted; -1 if none."""
-    n = len(reps)
-    for step in range(1, n + 1):
-        w = (after + step) % n
-        if not reps[w].exhausted():
-            return w
-    return -1
 
 
 class StreamDataset(torch.utils.data.IterableDataset):

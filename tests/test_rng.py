@@ -1,0 +1,194 @@
+"""RNG modes: what stays identical under which change, the seed range, batched fetch."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+from conftest import Augmented
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ledger
+from ledger.audit.queries import materialize
+from ledger.order import batch_seed, sample_seed, sample_seeds
+from ledger.testing import assert_resume_exact, take
+
+
+class InitialSeed:
+    """Returns the seed torch was seeded with (a pattern from torch's own tests)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> int:
+        return torch.initial_seed()
+
+
+class Batched:
+    """A dataset with ``__getitems__``, like HF ``datasets.Dataset``; counts the calls."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.calls: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        raise AssertionError("a dataset with __getitems__ must be fetched a batch at a time")
+
+    def __getitems__(self, ids: list[int]) -> list[torch.Tensor]:
+        self.calls.append(len(ids))
+        noise = torch.rand(len(ids))  # one draw for the whole batch
+        return [torch.stack([torch.tensor(float(i)), noise[k]]) for k, i in enumerate(ids)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 2**64 - 1), st.integers(0, 10**6), st.lists(st.integers(0, 2**62), max_size=20)
+)
+def test_seeds_are_below_2_63_and_agree(seed: int, epoch: int, ids: list[int]) -> None:
+    seeds = sample_seeds(seed, epoch, np.array(ids, np.int64))
+    assert all(int(s) < 2**63 for s in seeds.tolist())
+    assert seeds.tolist() == [sample_seed(seed, epoch, i) for i in ids]
+    assert 0 <= batch_seed(seed, epoch, ids[0] if ids else 0) < 2**63
+
+
+@pytest.mark.parametrize("rng", ["batch", "sample"])
+def test_a_dataset_returning_the_initial_seed_collates(root, rng):
+    loader = ledger.DataLoader(InitialSeed(), batch_size=8, shuffle=True, log=root, rng=rng)
+    seeds = torch.cat(list(loader))
+    assert seeds.dtype == torch.int64 and int(seeds.min()) >= 0
+    if rng == "batch":  # one seed per batch, a new one for each batch
+        assert all(len(set(b.tolist())) == 1 for b in seeds.view(8, 8))
+        assert len(set(seeds.tolist())) == 8
+    else:
+        assert len(set(seeds.tolist())) == 64
+
+
+def _epoch(root: str, num_workers: int, rng: str) -> list[dict[str, torch.Tensor]]:
+    loader = ledger.DataLoader(
+        Augmented(40),
+        batch_size=4,
+        shuffle=True,
+        seed=5,
+        log=root,
+        rng=rng,
+        num_workers=num_workers,
+    )
+    return list(loader)
+
+
+@pytest.mark.parametrize("rng", ["batch", "sample"])
+def test_augmentation_does_not_depend_on_num_workers(tmp_path, rng):
+    runs = [_epoch(str(tmp_path / f"w{nw}"), nw, rng) for nw in (0, 1, 2)]
+    for other in runs[1:]:
+        assert len(other) == len(runs[0]) == 10
+        for a, b in zip(runs[0], other, strict=True):
+            for key in a:
+                assert torch.equal(a[key], b[key]), key
+    # The draws are real: samples of one batch differ.
+    assert len({float(x) for x in runs[0][0]["x"][:, 0]}) == 4
+
+
+def test_batch_and_sample_modes_differ_and_off_leaves_the_rngs_alone(tmp_path):
+    batch = _epoch(str(tmp_path / "b"), 0, "batch")
+    sample = _epoch(str(tmp_path / "s"), 0, "sample")
+    assert [b["id"].tolist() for b in batch] == [s["id"].tolist() for s in sample]
+    assert not torch.equal(batch[0]["x"], sample[0]["x"])
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    first = _epoch(str(tmp_path / "o"), 0, "off")[0]["x"][0]
+    assert torch.equal(first, expected)  # not seeded: the loop's own generator drew it
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batch_mode_resumes_exactly_from_every_batch(root, num_workers):
+    def make():
+        return ledger.DataLoader(
+            Augmented(22), batch_size=4, shuffle=True, seed=2, log=root, num_workers=num_workers
+        )
+
+    assert assert_resume_exact(make, batches=13) == 13
+
+
+def test_batch_mode_keeps_the_training_loops_rngs(root):
+    loader = ledger.DataLoader(Augmented(16), batch_size=4, log=root)
+    torch.manual_seed(3)
+    np.random.seed(3)
+    expected = (torch.rand(2), np.random.rand(2))
+    torch.manual_seed(3)
+    np.random.seed(3)
+    list(take(loader, 2))
+    assert torch.equal(torch.rand(2), expected[0])
+    assert np.array_equal(np.random.rand(2), expected[1])
+
+
+@pytest.mark.parametrize("rng", ["batch", "sample", "off"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_getitems_is_always_batched(root, rng, num_workers):
+    ds = Batched(20)
+    loader = ledger.DataLoader(
+        ds, batch_size=6, shuffle=True, log=root, rng=rng, num_workers=num_workers
+    )
+    got = torch.cat(list(loader))
+    assert sorted(got[:, 0].tolist()) == list(range(20))
+    if num_workers == 0:
+        assert ds.calls == [6, 6, 6, 2]
+
+
+def test_torch_subset_is_fetched_in_batches(root):
+    ds = tud.Subset(Batched(30), list(range(0, 30, 2)))
+    loader = ledger.DataLoader(ds, batch_size=5, log=root)
+    assert torch.cat(list(loader))[:, 0].tolist() == [float(i) for i in range(0, 30, 2)]
+    assert ds.dataset.calls == [5, 5, 5]
+
+
+@pytest.mark.parametrize("rng", ["batch", "sample"])
+def test_materialize_reproduces_the_recorded_digest(root, rng):
+    loader = ledger.DataLoader(Augmented(30), batch_size=4, shuffle=True, seed=4, log=root, rng=rng)
+    received = list(take(loader, 5))
+    loader.state_dict()
+    for b in (0, 3, 4):
+        made = materialize(root, b, Augmented(30))
+        assert made.matches, b
+        for key in received[b]:
+            assert torch.equal(made.data[key], received[b][key])
+
+
+def test_rng_must_be_a_known_mode(root):
+    with pytest.raises(ValueError, match="rng must be one of 'batch', 'sample', 'off'"):
+        ledger.DataLoader(Augmented(4), batch_size=2, log=root, rng="worker")
+
+
+def test_per_sample_rng_is_the_older_spelling_and_old_logs_resume(root):
+    def make(**kw):
+        return ledger.DataLoader(Augmented(12), batch_size=3, shuffle=True, log=root, **kw)
+
+    assert make(per_sample_rng=False).rng == "off"
+    loader = make(per_sample_rng=True)
+    assert loader.rng == "sample"
+    expected = list(take(loader, 4))
+    loader = make(rng="sample")
+    list(take(loader, 2))
+    token = loader.state_dict()
+    # A log written before the RNG modes records per_sample_rng in run.json.
+    path = os.path.join(root, "run.json")
+    with open(path) as f:
+        run = json.load(f)
+    del run["config"]["rng"]
+    run["config"]["per_sample_rng"] = True
+    with open(path, "w") as f:
+        json.dump(run, f)
+    resumed = make(rng="sample")
+    resumed.load_state_dict(token)
+    for a, b in zip(list(take(resumed, 2)), expected[2:], strict=True):
+        assert torch.equal(a["x"], b["x"])
+    with pytest.raises(ledger.errors.ConfigMismatch, match="rng"):
+        make(rng="batch").load_state_dict(token)

@@ -1,0 +1,281 @@
+"""Benchmark a ledger Stream against the same reading done by a plain IterableDataset.
+
+Two measurements, printed as tables of ratios measured in one run (no assertions):
+
+1. Throughput, default arguments: one epoch of a ``ledger.stream.Stream`` over Parquet
+   shards (shuffle buffer 1,000; without and with packing) under ``ledger.DataLoader``,
+   against :class:`PlainStream`, an ``IterableDataset`` that reads the same shards row
+   group by row group, applies the same transform, shuffles through a buffer of the same
+   size (``random.Random``) and packs the same way, under torch's DataLoader. Best of R,
+   repeats interleaved.
+2. Main-process work per batch: the batches a stream's workers produce are collected
+   first, then the loader's per-batch work on them is timed alone (the replica fold that
+   checks the batch, the events, the journal write): what the training loop pays.
+
+Example:
+    python tools/bench_stream.py            # about 2 minutes on 2 cores
+    python tools/bench_stream.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.utils.data as tud
+from rich.console import Console
+from rich.table import Table
+
+import ledger
+from ledger.stream import Packer, ShardedSource, Stream
+
+SEQ_LEN = 512
+BUFFER = 1000
+
+
+def make_shards(out: str, shards: int, rows: int, seed: int = 0) -> list[str]:
+    """Parquet shards of ``rows`` rows each: ``x`` (16 float32), ``tokens`` (10-200 ints)."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for s in range(shards):
+        lengths = rng.integers(10, 200, rows)
+        tokens = [rng.integers(1, 30000, n).tolist() for n in lengths]
+        x = rng.random((rows, 16), dtype=np.float32)
+        table = pa.table(
+            {
+                "x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 16),
+                "tokens": pa.array(tokens, pa.list_(pa.int32())),
+            }
+        )
+        path = os.path.join(out, f"shard-{s:03d}.parquet")
+        pq.write_table(table, path, row_group_size=1024)
+        paths.append(path)
+    return paths
+
+
+def features(record: dict[str, Any], ctx: Any = None) -> np.ndarray:
+    return np.asarray(record["x"], np.float32)
+
+
+def tokens(record: dict[str, Any], ctx: Any = None) -> list[int]:
+    return record["tokens"]  # type: ignore[no-any-return]
+
+
+class PlainStream(tud.IterableDataset):
+    """The same reading without ledger: shards dealt to workers, row groups read in order,
+    a shuffle buffer, optional packing into ``SEQ_LEN``-token sequences."""
+
+    def __init__(self, paths: list[str], batch_size: int, packed: bool, seed: int) -> None:
+        self.paths = paths
+        self.batch_size = batch_size
+        self.packed = packed
+        self.seed = seed
+
+    def _rows(self, paths: list[str]) -> Iterator[Any]:
+        for path in paths:
+            pf = pq.ParquetFile(path)
+            for g in range(pf.num_row_groups):
+                for record in pf.read_row_group(g).to_pylist():
+                    yield tokens(record) if self.packed else features(record)
+
+    def _shuffled(self, items: Iterator[Any], rng: random.Random) -> Iterator[Any]:
+        buf: list[Any] = []
+        for item in items:
+            if len(buf) < BUFFER:
+                buf.append(item)
+                continue
+            j = rng.randrange(len(buf))
+            yield buf[j]
+            buf[j] = item
+        while buf:
+            j = rng.randrange(len(buf))
+            buf[j], buf[-1] = buf[-1], buf[j]
+            yield buf.pop()
+
+    def __iter__(self) -> Iterator[Any]:
+        info = tud.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        rng = random.Random(self.seed + wid)
+        items = self._shuffled(self._rows(self.paths[wid::nw]), rng)
+        if not self.packed:
+            batch: list[Any] = []
+            for item in items:
+                batch.append(item)
+                if len(batch) == self.batch_size:
+                    yield tud.default_collate(batch)
+                    batch = []
+            if batch:
+                yield tud.default_collate(batch)
+            return
+        seqs: list[np.ndarray] = []
+        seq = np.zeros(SEQ_LEN, np.int64)
+        n = 0
+        for item in items:
+            doc = np.append(np.asarray(item, np.int64), 0)
+            off = 0
+            while off < doc.size:
+                take = min(SEQ_LEN - n, doc.size - off)
+                seq[n : n + take] = doc[off : off + take]
+                n += take
+                off += take
+                if n == SEQ_LEN:
+                    seqs.append(seq)
+                    seq, n = np.zeros(SEQ_LEN, np.int64), 0
+                    if len(seqs) == self.batch_size:
+                        yield {"tokens": torch.from_numpy(np.stack(seqs))}
+                        seqs = []
+        if n:
+            seqs.append(seq)
+        if seqs:
+            yield {"tokens": torch.from_numpy(np.stack(seqs))}
+
+
+def _stream(paths: list[str], packed: bool) -> Stream:
+    source = ShardedSource(paths)
+    if packed:
+        return Stream(source, tokens, shuffle_buffer=BUFFER, packer=Packer(SEQ_LEN))
+    return Stream(source, features, shuffle_buffer=BUFFER)
+
+
+def _batch_size(packed: bool) -> int:
+    return 32 if packed else 256  # packed: 32 sequences of 512 tokens hold ~160 samples
+
+
+def _epoch(make: Any) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    loader = make()
+    n = sum(1 for _ in loader)
+    if hasattr(loader, "state_dict"):
+        loader.state_dict()
+    return time.perf_counter() - t0, n
+
+
+def throughput(paths: list[str], workers: list[int], repeats: int, tmp: str, con: Console) -> Table:
+    t = Table(
+        title=f"Stream throughput, default arguments, shuffle buffer {BUFFER}, best of {repeats}"
+    )
+    for col in ("packing", "workers", "plain IterableDataset b/s", "ledger Stream b/s", "ratio"):
+        t.add_column(col, justify="left" if col == "packing" else "right")
+    count = 0
+    for packed in (False, True):
+        bs = _batch_size(packed)
+        for nw in workers:
+
+            def plain(nw: int = nw, packed: bool = packed, bs: int = bs) -> tud.DataLoader:
+                return tud.DataLoader(
+                    PlainStream(paths, bs, packed, 0), batch_size=None, num_workers=nw
+                )
+
+            def ours(nw: int = nw, packed: bool = packed, bs: int = bs) -> ledger.DataLoader:
+                nonlocal count
+                count += 1
+                root = os.path.join(tmp, f"root-{count}")
+                return ledger.DataLoader(
+                    _stream(paths, packed), batch_size=bs, shuffle=True, log=root, num_workers=nw
+                )
+
+            best = {"plain": 0.0, "ledger": 0.0}
+            for r in range(repeats):
+                pair = [("plain", plain), ("ledger", ours)]
+                for name, make in pair if r % 2 == 0 else pair[::-1]:
+                    secs, n = _epoch(make)
+                    best[name] = max(best[name], n / secs)
+                    con.print(
+                        f"stream packed={packed} nw={nw} rep {r + 1} {name}: {n / secs:,.0f} b/s"
+                    )
+            t.add_row(
+                "on" if packed else "off",
+                str(nw),
+                f"{best['plain']:,.1f}",
+                f"{best['ledger']:,.1f}",
+                f"{best['ledger'] / best['plain']:.3f}",
+            )
+    return t
+
+
+def main_process_work(paths: list[str], tmp: str, workers: int) -> Table:
+    """µs of the loader's per-batch work in the main process, on pre-produced batches."""
+    t = Table(title=f"Main-process work per batch ({workers} logical workers, buffer {BUFFER})")
+    for col in ("packing", "batches", "samples/batch", "µs/batch", "µs per 256 samples"):
+        t.add_column(col, justify="left" if col == "packing" else "right")
+    for packed in (False, True):
+        loader = ledger.DataLoader(
+            _stream(paths, packed),
+            batch_size=_batch_size(packed),
+            shuffle=True,
+            log=os.path.join(tmp, f"main-{packed}"),
+            num_workers=workers,
+        )
+        loader._ensure_started()
+        driver = loader._stream
+        assert driver is not None
+        # Produce the epoch's batches as the workers would, in the order torch serves them.
+        driver.begin(loader.state)
+        ds = driver.dataset
+        worker = tud._utils.worker  # the generators read their worker id on their first next()
+        infos = [type("Info", (), {"id": w, "num_workers": workers})() for w in range(workers)]
+        runs = [iter(ds) for _ in range(workers)]
+        metas = []
+        live = list(range(workers))
+        while live:
+            for w in list(live):
+                worker._worker_info = infos[w]
+                item = next(runs[w], None)
+                worker._worker_info = None
+                if item is None:
+                    live.remove(w)
+                else:
+                    metas.append(item[0])
+        state = loader.state
+        append = loader.log.append
+        t0 = time.perf_counter()
+        for meta in metas:
+            chunk, state = driver.record(state, meta)
+            append(chunk)
+        secs = time.perf_counter() - t0
+        samples = sum(m.sample_ids.size for m in metas) / len(metas)
+        t.add_row(
+            "on" if packed else "off",
+            str(len(metas)),
+            f"{samples:.0f}",
+            f"{secs / len(metas) * 1e6:.1f}",
+            f"{secs / len(metas) * 1e6 * 256 / samples:.1f}",
+        )
+        loader.close()
+    return t
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="8 shards of 5,000 rows, 2 repeats")
+    p.add_argument("--shards", type=int, default=16)
+    p.add_argument("--rows", type=int, default=10_000, help="rows per shard")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    a = p.parse_args(argv)
+    if a.quick:
+        a.shards, a.rows, a.repeats = 8, 5000, 2
+    con = Console(width=max(Console().width, 120))
+    tmp = tempfile.mkdtemp(prefix="ledger-bench-stream-")
+    try:
+        paths = make_shards(tmp, a.shards, a.rows)
+        con.print(main_process_work(paths, tmp, 8))
+        con.print(throughput(paths, a.workers, a.repeats, tmp, con))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    con.print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
