@@ -242,8 +242,11 @@ class Store:
         except Exception as e:
             raise self._error(f"could not write {self.full(rel)}", e, "nothing was replaced") from e
 
-    def create_exclusive(self, rel: str, data: bytes) -> None:
+    def create_exclusive(self, rel: str, data: bytes, *, durable: bool = True) -> None:
         """Create ``rel`` with ``data`` only if it does not exist yet, atomically.
+
+        ``durable=False`` skips the fsyncs on local disk, for records that are cheap to
+        write again if a power loss drops them (row-group digests).
 
         Local disk: the data is written and fsynced under a temporary name, then
         hard-linked to ``rel``; ``link(2)`` fails if ``rel`` exists, so exactly one of two
@@ -263,7 +266,7 @@ class Store:
                 same ``data`` then returns normally.
         """
         if self.is_local:
-            self._create_local(rel, data)
+            self._create_local(rel, data, durable)
         elif self._exclusive_mode() == "conditional":
             self._create_conditional(rel, data)
         else:
@@ -271,14 +274,15 @@ class Store:
 
     # ------------------------------------------------------------------ exclusive creates
 
-    def _create_local(self, rel: str, data: bytes) -> None:
+    def _create_local(self, rel: str, data: bytes, durable: bool = True) -> None:
         final = self.local_path(rel)
         assert final is not None
         tmp = None
         try:
-            tmp = self._write_tmp(final, data)
+            tmp = self._write_tmp(final, data, durable)
             os.link(tmp, final)
-            self._fsync_dir(os.path.dirname(final))
+            if durable:
+                self._fsync_dir(os.path.dirname(final))
         except FileExistsError as e:
             self._check_ours(rel, data, e)
         except OSError as e:
@@ -443,7 +447,7 @@ class Store:
         return StorageError(f"{what}: {detail}" + (f"; {left}" if left else ""))
 
     @staticmethod
-    def _write_tmp(final: str, data: bytes) -> str:
+    def _write_tmp(final: str, data: bytes, durable: bool = True) -> str:
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = os.path.join(os.path.dirname(final), f".tmp-{uuid.uuid4().hex}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -451,7 +455,8 @@ class Store:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         return tmp

@@ -234,7 +234,7 @@ class ShardedSource:
                 recorded = store.read_bytes(rel).decode(errors="replace").strip()
             except FileNotFoundError:
                 try:
-                    store.create_exclusive(rel, found.encode())
+                    store.create_exclusive(rel, found.encode(), durable=False)
                     recorded = found
                 except CommitConflict:  # another worker or rank recorded it first
                     recorded = store.read_bytes(rel).decode(errors="replace").strip()
