@@ -142,10 +142,8 @@ def _consumptions(store: Store, con: Any, sample_id: int) -> list[tuple[Any, ...
     ).fetchall()
     refs = [SegmentRef(r, p, n, b, h) for *_, r, p, n, b, h in named]
     found: list[tuple[Any, ...]] = []
-    for (cid, step, in_lineage, *_), table in zip(
-        named, read_verified(store, refs, _WHERE_COLUMNS, None), strict=True
-    ):
-        hit = table.filter(pc.equal(table["sample_id"], sample_id))
+    tables = read_verified(store, refs, _WHERE_COLUMNS, None, match=("sample_id", sample_id))
+    for (cid, step, in_lineage, *_), hit in zip(named, tables, strict=True):
         if hit.num_rows == 0:
             continue
         kinds = hit["kind"].cast(pa.string())

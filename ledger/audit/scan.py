@@ -276,13 +276,25 @@ def _dataset(store: Store, full_paths: list[str]) -> ds.Dataset:
 
 
 def read_verified(
-    store: Store, refs: list[SegmentRef], columns: list[str], threads: int | None
+    store: Store,
+    refs: list[SegmentRef],
+    columns: list[str],
+    threads: int | None,
+    match: tuple[str, int] | None = None,
 ) -> Iterator[pa.Table]:
     """The ``columns`` of each segment of ``refs``, in order, each checked against its
     marker (size, SHA-256, rows) before it is decoded.
 
     Each file is read once: a pool of threads reads, hashes (``hashlib`` releases the GIL)
     and decodes (so does Arrow) up to ``threads`` files ahead of the caller.
+
+    Args:
+        store: the log root.
+        refs: the segments, as their markers name them.
+        columns: event columns to decode.
+        threads: files read ahead at once (default 4).
+        match: ``(column, value)``: only rows whose ``column`` equals ``value`` are
+            returned; a row group is decoded whole only if that column holds the value.
 
     Raises:
         LogCorrupted: naming the file, if one is missing, differs from its marker, or is
@@ -294,7 +306,17 @@ def read_verified(
     def load(ref: SegmentRef) -> pa.Table:
         pf = open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256, size=ref.bytes)
         try:
-            table = pf.read(columns=columns, use_threads=False)
+            if match is None:
+                table = pf.read(columns=columns, use_threads=False)
+            else:
+                name, value = match
+                groups = [
+                    g
+                    for g in range(pf.num_row_groups)
+                    if pc.any(pc.equal(pf.read_row_group(g, [name])[name], value)).as_py()
+                ]
+                table = pf.read_row_groups(groups, columns=columns, use_threads=False)
+                table = table.filter(pc.equal(table[name], value))
             return table if table.schema.equals(want) else table.cast(want)
         except (pa.ArrowException, OSError, ValueError) as e:
             raise LogCorrupted(
