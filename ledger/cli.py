@@ -526,6 +526,41 @@ def reconstruct_command(root: str, commit: str, out: str) -> None:
     click.echo(f"wrote {rows} events of the lineage of {commit} to {out}")
 
 
+@main.command("compact")
+@click.argument("root")
+@click.option(
+    "--before",
+    metavar="COMMIT",
+    help="Compact the lineage of this commit: its step (40), STEP-ATTEMPT (40-1) or full id "
+    "[default: the newest commit].",
+)
+def compact_command(root: str, before: str | None) -> None:
+    """Rewrite the segments of the lineage of COMMIT at ROOT into few large files.
+
+    Publishes them through a compaction commit, then deletes the originals; every
+    view and command answers exactly as before. Safe to kill at any point (run it again
+    to finish) and to run while training appends: the newest segment of each rank (what
+    a resume reads) is left as it is.
+
+    Example:
+
+    \b
+        ledger compact /runs/exp7
+        ledger compact s3://bucket/runs/exp7 --before 40000
+    """
+    from ledger.compaction import compact
+
+    cid = _commit(root, before) if before is not None else None
+    result = compact(root, cid)
+    if not result.id:
+        click.echo(f"nothing to compact; {result.retired} segments retired")
+        return
+    click.echo(
+        f"compaction {result.id}: {result.segments} segments ({result.rows} events) into "
+        f"{result.files} files; {result.retired} segments retired"
+    )
+
+
 @main.command("verify")
 @click.argument("root")
 @click.option(

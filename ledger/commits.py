@@ -8,14 +8,21 @@ checkpoint saw. Markers are created exclusively, so a commit id is written once.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import json
 import os
 import re
 import socket
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
+import numpy as np
+
+from ledger import ranks as ranks_mod
 from ledger.errors import (
     CommitConflict,
     CommitNotFound,
@@ -23,11 +30,14 @@ from ledger.errors import (
     LedgerError,
     LogCorrupted,
 )
-from ledger.schema import SCHEMA_VERSION
-from ledger.store import Store
+from ledger.ranks import RankTable, SegmentRef
+from ledger.schema import READABLE_VERSIONS, SCHEMA_VERSION
+from ledger.store import Store, sha256
 from ledger.validate import items, obj, relative_path, require, sha256_hex
 
 RUN_FILE = "run.json"
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def now_iso() -> str:
@@ -46,9 +56,10 @@ def _load(store: Store, rel: str) -> dict[str, Any]:
     except (ValueError, RecursionError) as e:
         raise LogCorrupted(f"{store.full(rel)} is not valid JSON: {e}") from e
     version = data.get("version") if isinstance(data, dict) else None
-    if not isinstance(data, dict) or version != SCHEMA_VERSION:
+    if not isinstance(data, dict) or version not in READABLE_VERSIONS:
         raise LogCorrupted(
-            f"{store.full(rel)} has version {version!r}, this ledger reads version {SCHEMA_VERSION}"
+            f"{store.full(rel)} has version {version!r}, this ledger reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
     return data
 
@@ -335,25 +346,6 @@ def claim_attempt(store: Store, parent: str | None, world_size: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class SegmentRef:
-    """A segment named by a commit marker.
-
-    Attributes:
-        rank: rank that wrote it.
-        path: path relative to the log root.
-        rows: number of events (rows).
-        bytes: file size (bytes).
-        sha256: hex SHA-256 of the file.
-    """
-
-    rank: int
-    path: str
-    rows: int
-    bytes: int
-    sha256: str
-
-
-@dataclass(frozen=True, slots=True)
 class Commit:
     """A commit marker.
 
@@ -366,7 +358,12 @@ class Commit:
         created_at: ISO 8601 UTC time.
         segments: segments of the events consumed since ``parent``, one per rank with
             events (empty when no batch was consumed).
-        states: pipeline state of each rank after the commit.
+        states: pipeline state of each rank after the commit (a tuple, or for a
+            version-2 marker a :class:`~ledger.ranks.RankTable` that decodes rows lazily).
+        ranks: the per-rank table of a version-2 marker (it also names each rank's
+            newest segment of the lineage); ``None`` for a version-1 marker, or a commit
+            being built without one (:func:`new_commit` gives it one).
+        version: marker format version the commit was read from or will be written in.
     """
 
     id: str
@@ -375,8 +372,11 @@ class Commit:
     parent: str | None
     world_size: int
     created_at: str
-    segments: tuple[SegmentRef, ...] = ()
-    states: tuple[PipelineState, ...] = field(default=())
+    segments: Sequence[SegmentRef] = ()
+    states: Sequence[PipelineState] = field(default=())
+    ranks: RankTable | None = field(default=None, compare=False, repr=False)
+    version: int = field(default=SCHEMA_VERSION, compare=False)
+    _blob: list[bytes] = field(default_factory=list, compare=False, repr=False)
 
     def state(self, rank: int) -> PipelineState:
         """State of ``rank`` after this commit.
@@ -384,25 +384,68 @@ class Commit:
         Raises:
             LogCorrupted: if the marker has no state for ``rank``.
         """
-        for s in self.states:
-            if s.rank == rank:
-                return s
+        if isinstance(self.states, RankTable):
+            if 0 <= rank < len(self.states):
+                return self.states[rank]
+        else:
+            for s in self.states:
+                if s.rank == rank:
+                    return s
         raise LogCorrupted(f"commit {self.id} records no state for rank {rank}")
 
+    def header(self) -> dict[str, Any]:
+        """The marker's scalar fields (what ranks other than 0 receive after a commit)."""
+        return {
+            "id": self.id,
+            "step": self.step,
+            "attempt": self.attempt,
+            "parent": self.parent,
+            "world_size": self.world_size,
+            "created_at": self.created_at,
+        }
+
+    def table_bytes(self) -> bytes:
+        """The Parquet bytes of the per-rank table (computed once, then reused by retries)."""
+        if not self._blob:
+            if self.ranks is not None:
+                rows = self.ranks.rows
+            else:
+                rows = ranks_mod.build(list(self.states), self.segments, [])
+            self._blob.append(ranks_mod.encode(rows))
+        return self._blob[0]
+
+    def _shape(self) -> tuple[int, int]:
+        if self.ranks is not None:
+            return (int(self.ranks.rows.shape[0]), int(self.ranks.rows.shape[1]))
+        rows = ranks_mod.build(list(self.states), self.segments, [])
+        return (int(rows.shape[0]), int(rows.shape[1]))
+
     def to_json(self) -> bytes:
-        d = asdict(self)
-        d["version"] = SCHEMA_VERSION
+        """The version-2 marker: the header plus the reference of the rank table."""
+        data = self.table_bytes()
+        d = {
+            **self.header(),
+            "version": SCHEMA_VERSION,
+            "ranks": {
+                "path": ranks_path(self.id),
+                "bytes": len(data),
+                "sha256": sha256(data),
+                "shape": list(self._shape()),
+                "encoding": ranks_mod.ENCODING,
+            },
+        }
         return _dump(d)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "a commit marker") -> Commit:
-        """Parse a marker from JSON.
+        """Parse a version-1 marker from JSON (or a commit's header alone: what ranks
+        other than 0 receive after a commit).
 
         Raises:
             LogCorrupted: naming ``where`` and the field, if a field is missing or mangled.
         """
-        segs = items(d, "segments", where)
-        states = items(d, "states", where)
+        segs = items(d, "segments", where, default=[])
+        states = items(d, "states", where, default=[])
         return cls(
             id=require(d, "id", str, where),
             step=require(d, "step", int, where, minimum=0),
@@ -414,6 +457,7 @@ class Commit:
             states=tuple(
                 PipelineState.from_dict(s, f"{where}, state {i}") for i, s in enumerate(states)
             ),
+            version=require(d, "version", int, where, default=1),
         )
 
 
@@ -431,19 +475,101 @@ COMMIT_NAME = re.compile(r"^[0-9]+-[0-9]+\.json$")
 """Names of commit markers under ``commits/``; other files there are ignored."""
 
 
+def new_commit(header: dict[str, Any], rows: np.ndarray) -> Commit:
+    """A commit to write: ``header`` (``id, step, attempt, parent, world_size,
+    created_at``) and its rank table's rows (:func:`ledger.ranks.from_rows` or
+    :func:`ledger.ranks.build`)."""
+    ranks = RankTable(rows, int(header["attempt"]))
+    return Commit(**header, segments=_Lazy(ranks.segments), states=ranks, ranks=ranks)
+
+
+class _Lazy(Sequence[SegmentRef]):
+    """A commit's segments, decoded on first use (rank 0 writes markers it never reads)."""
+
+    def __init__(self, make: Callable[[], tuple[SegmentRef, ...]]) -> None:
+        self._make = make
+        self._refs: tuple[SegmentRef, ...] | None = None
+
+    def _all(self) -> tuple[SegmentRef, ...]:
+        if self._refs is None:
+            self._refs = self._make()
+        return self._refs
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[SegmentRef]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        return self._all() == tuple(other) if isinstance(other, Sequence) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+
+def newest_segments(store: Store, head: Commit, world: int) -> list[SegmentRef | None]:
+    """Per rank ``0..world-1``, the newest segment of the lineage of ``head``.
+
+    Reads the head marker only for a version-2 head; walks the lineage for a version-1
+    head (whose markers name only their own segments).
+    """
+    if head.ranks is not None:
+        return [head.ranks.newest(r) for r in range(world)]
+    found: list[SegmentRef | None] = [None] * world
+    missing = set(range(world))
+    for c in reversed(lineage(store, head.id, known={head.id: head})):
+        for s in c.segments:
+            if s.rank in missing and s.rows > 0:
+                found[s.rank] = s
+                missing.discard(s.rank)
+        if not missing:
+            break
+    return found
+
+
+def newest_segment(store: Store, head: Commit, rank: int) -> SegmentRef | None:
+    """The newest segment of ``rank`` in the lineage of ``head`` (``None``: none).
+
+    O(1) markers for a version-2 head (its table names it); a version-1 head's lineage
+    is walked back until a segment of the rank is found.
+    """
+    if head.ranks is not None:
+        return head.ranks.newest(rank)
+    return newest_segments(store, head, rank + 1)[rank]
+
+
 def commit_id(step: int, attempt: int) -> str:
     """Id of the commit of ``attempt`` at ``step``; ids sort by step, then attempt."""
     return f"{step:012d}-{attempt:04d}"
 
 
 def marker_path(cid: str) -> str:
+    """Path of the marker of commit ``cid``, relative to the root."""
     return f"commits/{cid}.json"
 
 
+def ranks_path(cid: str) -> str:
+    """Path of the per-rank table of a version-2 marker, relative to the root."""
+    return f"commits/{cid}.ranks"
+
+
 def write_commit(store: Store, commit: Commit) -> None:
-    """Create the marker of ``commit`` exclusively; only then are its segments history.
+    """Write the rank table of ``commit``, then create its marker exclusively; only then
+    are its segments history.
 
     Idempotent: writing the same commit again (a retry after a lost reply) succeeds.
+
+    Note:
+        A failure between the two writes leaves a rank table that no marker names yet; a
+        retry overwrites it with the same bytes, and readers never read it without the
+        marker (which names its SHA-256).
 
     Raises:
         CommitConflict: if a marker with this id and other contents exists already.
@@ -451,6 +577,8 @@ def write_commit(store: Store, commit: Commit) -> None:
             same (the reply was lost); :func:`marker_landed` tells, and a retry with the
             same ``commit`` succeeds either way.
     """
+    data = commit.table_bytes()
+    store.write_atomic(ranks_path(commit.id), data)
     store.create_exclusive(marker_path(commit.id), commit.to_json())
 
 
@@ -470,21 +598,91 @@ def marker_landed(store: Store, commit: Commit) -> bool:
         return False
 
 
+_PARSED: contextvars.ContextVar[dict[tuple[str, str], Commit] | None] = contextvars.ContextVar(
+    "ledger_parsed_markers", default=None
+)
+
+
+_SCOPE: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar(
+    "ledger_command_cache", default=None
+)
+
+
+def command_cache() -> dict[Any, Any] | None:
+    """A dict living as long as the current :func:`parse_once` block (``None`` outside
+    one), for other files that never change once written (compaction pieces)."""
+    return _SCOPE.get()
+
+
+@contextlib.contextmanager
+def parse_once() -> Iterator[None]:
+    """Within the block, each marker is read and parsed once: later reads of the same
+    commit (by :func:`read_commit`, :func:`list_commits`, :func:`lineage`) return the
+    parsed :class:`Commit`. Markers are created exclusively and never change, so this is
+    safe for one command; each command (CLI or audit entry point) opens its own block,
+    so a later command sees markers written since. Nested blocks share the outer one."""
+    if _PARSED.get() is not None:
+        yield
+        return
+    token = _PARSED.set({})
+    scope = _SCOPE.set({})
+    try:
+        yield
+    finally:
+        _SCOPE.reset(scope)
+        _PARSED.reset(token)
+
+
+def parsing_once(fn: F) -> F:
+    """Decorator: run ``fn`` inside :func:`parse_once`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with parse_once():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 def read_commit(store: Store, cid: str) -> Commit:
-    """Read one commit marker.
+    """Read one commit marker (either version) and, for version 2, its rank table.
+
+    Inside :func:`parse_once`, a marker already read is not read again.
 
     Raises:
         CommitNotFound: if no marker ``cid`` exists under the root, or ``cid`` is not a
             commit id.
         LogCorrupted: if the marker is not JSON, of another version, lacks or mangles a
-            field, or names another id (the message names the file and the field).
+            field, or names another id; if its rank table is missing, altered (SHA-256)
+            or malformed (the message names the file and the field).
+
+    Inside :func:`parse_once`, a marker already read is not read again.
     """
     if not COMMIT_NAME.match(f"{cid}.json"):
         raise CommitNotFound(f"{cid!r} is not a commit id (STEP-ATTEMPT, e.g. 000000000040-0000)")
+    parsed = _PARSED.get()
+    if parsed is not None and (store.uri, cid) in parsed:
+        return parsed[(store.uri, cid)]
     try:
         data = _load(store, marker_path(cid))
     except FileNotFoundError as e:
         raise CommitNotFound(f"commit {cid} does not exist under {store.uri}") from e
+    if data["version"] == 1:
+        commit = parse_marker_v1(store, cid, data)
+    else:
+        commit = parse_marker_v2(store, cid, data)
+    if parsed is not None:
+        parsed[(store.uri, cid)] = commit
+    return commit
+
+
+def parse_marker_v1(store: Store, cid: str, data: dict[str, Any]) -> Commit:
+    """A version-1 marker: segments and states inline (JSON), no newest segments.
+
+    Raises:
+        LogCorrupted: naming the file and the field, if a field is missing or mangled,
+            or the marker names another id.
+    """
     where = store.full(marker_path(cid))
     commit = Commit.from_dict(data, where)
     if commit.id != cid:
@@ -541,6 +739,61 @@ def resolve_commit(store: Store, text: str) -> str:
     return_ids = " or ".join(i for _, _, i in sorted(nearest))
     raise CommitNotFound(
         f"commit {wanted} does not exist under {store.uri}: did you mean {return_ids}?"
+    )
+
+
+def parse_marker_v2(store: Store, cid: str, data: dict[str, Any]) -> Commit:
+    """A version-2 marker: the header in JSON, the per-rank table in its own file.
+
+    Raises:
+        LogCorrupted: naming the file and the field, if a field is missing or mangled,
+            the marker names another id, or the rank table is missing, differs from the
+            SHA-256 the marker names, or does not decode to the marker's shape.
+    """
+    where = store.full(marker_path(cid))
+    header = {
+        "id": require(data, "id", str, where),
+        "step": require(data, "step", int, where, minimum=0),
+        "attempt": require(data, "attempt", int, where, minimum=0),
+        "parent": require(data, "parent", str, where, nullable=True),
+        "world_size": require(data, "world_size", int, where, minimum=1),
+        "created_at": require(data, "created_at", str, where),
+    }
+    if header["id"] != cid:
+        raise LogCorrupted(f"{where}: field 'id' is {header['id']!r}, its name says {cid!r}")
+    ref = obj(require(data, "ranks", dict, where), f"{where}, field 'ranks'")
+    inner = f"{where}, field 'ranks'"
+    path = relative_path(ref, "path", inner)
+    digest = sha256_hex(ref, "sha256", inner)
+    shape = items(ref, "shape", inner)
+    if len(shape) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in shape):
+        raise LogCorrupted(f"{inner}: 'shape' is {shape!r}, not two integers")
+    if require(ref, "encoding", str, inner) != ranks_mod.ENCODING:
+        raise LogCorrupted(f"{inner}: encoding {ref['encoding']!r} is not {ranks_mod.ENCODING!r}")
+    try:
+        blob = store.read_bytes(path)
+    except FileNotFoundError as e:
+        raise LogCorrupted(
+            f"{store.full(path)}, the rank table of commit {cid}, is missing: restore it"
+        ) from e
+    if (found := sha256(blob)) != digest:
+        raise LogCorrupted(
+            f"{store.full(path)} has SHA-256 {found}, but {where} names {digest}: the rank "
+            "table was altered"
+        )
+    table = ranks_mod.decode(blob, (shape[0], shape[1]), header["attempt"], store.full(path))
+    if len(table) != header["world_size"]:
+        raise LogCorrupted(
+            f"{where}: world size {header['world_size']}, but its rank table holds "
+            f"{len(table)} ranks"
+        )
+    return Commit(
+        **header,
+        segments=_Lazy(table.segments),
+        states=table,
+        ranks=table,
+        version=2,
+        _blob=[blob],
     )
 
 

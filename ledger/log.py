@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ledger.commits import (
     Commit,
@@ -17,6 +18,8 @@ from ledger.commits import (
     claim_attempt,
     commit_id,
     marker_landed,
+    new_commit,
+    newest_segments,
     now_iso,
     open_run,
     read_commit,
@@ -25,6 +28,7 @@ from ledger.commits import (
 from ledger.dist import Group
 from ledger.errors import CommitConflict, LedgerError, StorageError
 from ledger.journal import Journal, journal_path, read_journal
+from ledger.ranks import FAILED, NEWS, NO_NEWS, from_rows, pack
 from ledger.schema import EventChunk, chunks_to_table
 from ledger.segments import SegmentBuilder, encode, segment_path
 from ledger.store import Store, sha256
@@ -56,6 +60,7 @@ class _Inflight:
         data: this rank's segment (Parquet bytes), ``None`` without events.
         ref: the segment's reference, ``None`` without events.
         marker: the marker tried (rank 0), ``None`` if the try failed before it.
+        rows: the gathered rows the marker was built from (rank 0).
     """
 
     step: int
@@ -64,6 +69,7 @@ class _Inflight:
     data: bytes | None
     ref: SegmentRef | None
     marker: Commit | None = None
+    rows: np.ndarray | None = None
 
 
 class Ledger:
@@ -253,8 +259,7 @@ class Ledger:
         self._inflight = inflight
         self._put_segment(inflight)
         if inflight.marker is None:
-            segments = (inflight.ref,) if inflight.ref is not None else ()
-            inflight.marker = self._marker(state.batch, segments, (state,))
+            inflight.marker = self._marker(state.batch, pack(state, inflight.ref, NEWS)[None, :])
         write_commit(self.store, inflight.marker)
         return self._committed(inflight.marker)
 
@@ -279,7 +284,7 @@ class Ledger:
         if self.rank == 0 and inflight.marker is not None:
             try:
                 if marker_landed(self.store, inflight.marker):
-                    verdict["landed"] = json.loads(inflight.marker.to_json())
+                    verdict["landed"] = inflight.marker.header()
             except LedgerError as e:
                 verdict["error"] = str(e)
         verdict = self.group.broadcast(verdict)
@@ -291,45 +296,32 @@ class Ledger:
             )
         self._inflight = None
         if verdict["landed"] is not None:
-            self.head = Commit.from_dict(verdict["landed"])
+            # Rank 0 keeps the whole commit (the next marker carries its table forward);
+            # the others need only its id and step.
+            landed = inflight.marker if self.rank == 0 else None
+            self.head = landed or Commit.from_dict(verdict["landed"])
             self._pending = self._pending[inflight.covered :]
 
     def _commit_collective(self, state: PipelineState, snapshot: Sequence[EventChunk]) -> Commit:
-        """Every rank writes its segment; rank 0 writes the marker once all exist."""
-        mine: dict[str, Any] = {"state": asdict(state), "new": bool(self._pending), "error": None}
+        """Every rank writes its segment and sends rank 0 one integer row (its state and
+        segment reference, :func:`ledger.ranks.pack`); rank 0 writes the marker once all
+        exist and broadcasts only the commit's header. Ranks other than 0 thus send and
+        receive O(1) bytes at any world size; rank 0's O(W) work is numpy's."""
+        status, error, ref = (NEWS if self._pending else NO_NEWS), None, None
         try:
             inflight = self._inflight or self._prepare(state, snapshot)
             self._inflight = inflight
             self._put_segment(inflight)
-            mine["segment"] = asdict(inflight.ref) if inflight.ref is not None else None
+            ref = inflight.ref
         except LedgerError as e:  # the others must still take part in the collective
-            mine["error"] = f"rank {self.rank}: {e}"
-        everyone = self.group.all_gather(mine)
-        decision: dict[str, Any] = {}
-        if self.rank == 0:
-            errors = [m["error"] for m in everyone if m["error"]]
-            step = everyone[0]["state"]["batch"]
-            if errors:
-                decision = {"error": "; ".join(errors)}
-            elif (
-                not any(m["new"] for m in everyone)
-                and self.head is not None
-                and self.head.step == step
-            ):
-                decision = {"commit": None}
-            else:
-                segments = tuple(SegmentRef(**m["segment"]) for m in everyone if m["segment"])
-                states = tuple(PipelineState.from_dict(m["state"]) for m in everyone)
-                assert self._inflight is not None
-                tried = self._inflight.marker
-                if tried is None or (tried.segments, tried.states) != (segments, states):
-                    tried = self._inflight.marker = self._marker(step, segments, states)
-                try:
-                    write_commit(self.store, tried)
-                    decision = {"commit": json.loads(tried.to_json())}
-                except LedgerError as e:
-                    decision = {"error": f"rank 0: {e}", "kind": type(e).__name__}
+            status, error = FAILED, f"rank {self.rank}: {e}"
+        rows = self.group.gather_rows(pack(state, ref, status))
+        decision = self._decide(rows) if rows is not None else {}
         decision = self.group.broadcast(decision)
+        if decision.get("collect"):  # a rank failed: rank 0 learns why, then says it
+            messages = self.group.gather(error)
+            decision = {"error": "; ".join(m for m in messages if m)} if messages else {}
+            decision = self.group.broadcast(decision)
         if decision.get("error"):
             cls = CommitConflict if decision.get("kind") == "CommitConflict" else StorageError
             raise cls(f"the commit failed: {decision['error']}; the events stay pending")
@@ -337,7 +329,33 @@ class Ledger:
             assert self.head is not None
             self._inflight = None
             return self.head
+        if self.rank == 0:
+            assert self._inflight is not None and self._inflight.marker is not None
+            return self._committed(self._inflight.marker)
         return self._committed(Commit.from_dict(decision["commit"]))
+
+    def _decide(self, rows: np.ndarray) -> dict[str, Any]:
+        """Rank 0: write the marker of the gathered rows, or say why not."""
+        if (rows[:, 0] == FAILED).any():
+            return {"collect": True}
+        step = int(rows[0, 12])  # rank 0's batch
+        news = (rows[:, 0] == NEWS).any()
+        if not news and self.head is not None and self.head.step == step:
+            return {"commit": None}
+        inflight = self._inflight
+        assert inflight is not None
+        if (
+            inflight.marker is None
+            or inflight.rows is None
+            or not np.array_equal(inflight.rows, rows)
+        ):
+            inflight.marker = self._marker(step, rows)
+            inflight.rows = rows
+        try:
+            write_commit(self.store, inflight.marker)
+            return {"commit": inflight.marker.header()}
+        except LedgerError as e:
+            return {"error": f"rank 0: {e}", "kind": type(e).__name__}
 
     def _prepare(self, state: PipelineState, snapshot: Sequence[EventChunk]) -> _Inflight:
         """Encode this rank's pending events (plus ``snapshot``) as the commit's segment."""
@@ -365,20 +383,24 @@ class Ledger:
         if inflight.ref is not None and inflight.data is not None:
             self.store.write_atomic(inflight.ref.path, inflight.data)
 
-    def _marker(
-        self, step: int, segments: tuple[SegmentRef, ...], states: tuple[PipelineState, ...]
-    ) -> Commit:
+    def _marker(self, step: int, rows: np.ndarray) -> Commit:
+        """The commit of ``rows`` (one per rank, :func:`ledger.ranks.pack`), carrying each
+        rank's newest segment forward from the head."""
         assert self.attempt is not None
-        return Commit(
-            id=commit_id(step, self.attempt),
-            step=step,
-            attempt=self.attempt,
-            parent=self.head.id if self.head else None,
-            world_size=self.world_size,
-            created_at=now_iso(),
-            segments=segments,
-            states=states,
-        )
+        parent: Any = None
+        if self.head is not None:
+            parent = self.head.ranks
+            if parent is None:  # a version-1 head: its lineage names the newest segments
+                parent = newest_segments(self.store, self.head, rows.shape[0])
+        header = {
+            "id": commit_id(step, self.attempt),
+            "step": step,
+            "attempt": self.attempt,
+            "parent": self.head.id if self.head else None,
+            "world_size": self.world_size,
+            "created_at": now_iso(),
+        }
+        return new_commit(header, from_rows(rows, parent))
 
     def _committed(self, commit: Commit) -> Commit:
         assert self.attempt is not None and self._journal is not None

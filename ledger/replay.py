@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ledger import segments
-from ledger.commits import Commit, PipelineState, SegmentRef, lineage
+from ledger.commits import Commit, PipelineState, SegmentRef, newest_segment, newest_segments
 from ledger.errors import LogCorrupted, ResumeMismatch
 from ledger.order import BatchPlan, EpochOrder
 from ledger.schema import SAMPLE, SKIP, EventChunk
@@ -84,14 +84,21 @@ def replay(
     head: Commit,
     plan: BatchPlan,
     order_for: Callable[[int], EpochOrder],
+    ref: SegmentRef | bool | None = True,
 ) -> PipelineState:
     """Rebuild rank ``plan.rank``'s pipeline state at ``head`` from the log's events.
+
+    Reads the head marker (already in ``head``) and the tail of one segment: the rank's
+    newest, which a version-2 marker names; a version-1 head's lineage is walked back
+    to find it.
 
     Args:
         store: the log root.
         head: the commit to resume from.
         plan: the resuming loader's batch plan (dataset length, batch size, rank).
         order_for: ``epoch -> EpochOrder`` of the resuming loader.
+        ref: the rank's newest segment if the caller looked it up already (``None``:
+            the rank has none); ``True``: look it up here.
 
     Returns:
         The state of the rank after the last event of the lineage.
@@ -104,11 +111,8 @@ def replay(
     """
     rank = plan.rank
     recorded = head.state(rank)
-    chain = lineage(store, head.id)
-    ref = next(
-        (s for c in reversed(chain) for s in c.segments if s.rank == rank and s.rows > 0),
-        None,
-    )
+    if isinstance(ref, bool):
+        ref = newest_segment(store, head, rank)
     if ref is None:
         folded = PipelineState(rank, 0, 0, 0)
         if folded != recorded:
@@ -166,7 +170,9 @@ def resume_elastic(
 ) -> tuple[PipelineState, EventChunk | None]:
     """State of one rank of a new world size resuming ``head`` (map-style datasets).
 
-    Each old rank's state is replayed and verified as for a same-shape resume. With
+    Each old rank's state is replayed and verified as for a same-shape resume: the head
+    marker is read once and the tail of each old rank's newest segment once, so the cost
+    is O(W_old) per new rank, independent of the history's length. With
     synchronous data parallelism the positions the old ranks consumed in the current
     epoch form a prefix ``[epoch_start, P)`` of its order; the new ranks continue the
     epoch from ``P`` with the new step size. Every sample of the epoch is thus consumed
@@ -189,8 +195,9 @@ def resume_elastic(
             continue exactly.
     """
     old = head.world_size
+    refs = newest_segments(store, head, old)  # the head marker, read once
     folded = [
-        replay(store, head, replace(plan, rank=r, world_size=old, start=0), order_for)
+        replay(store, head, replace(plan, rank=r, world_size=old, start=0), order_for, refs[r])
         for r in range(old)
     ]
     epoch = min(s.epoch for s in folded)

@@ -12,8 +12,17 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
-"""Version of the on-disk layout: run.json, markers, segments and journals all carry it."""
+SCHEMA_VERSION = 2
+"""Version of the on-disk layout: run.json, markers, segments and journals all carry it.
+
+Version 2 (this one) changed only the commit marker: a small JSON header naming a
+Parquet table of the ranks (:mod:`ledger.ranks`), with each rank's newest segment carried
+forward. Version 1 markers held every rank's state and segment inline in JSON; they are
+still read (:func:`ledger.commits.parse_marker_v1`), and the other files did not change.
+"""
+
+READABLE_VERSIONS = (1, 2)
+"""Versions of run.json, attempt records and markers this ledger reads."""
 
 DIGEST_BYTES = 32
 """Bytes of a batch's content digest (SHA-256, :mod:`ledger.digest`)."""

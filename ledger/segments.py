@@ -144,6 +144,9 @@ def open_segment(
         checksum: expected hex SHA-256 of the file, or ``None`` to skip the check.
         size: expected size in bytes, or ``None``.
 
+    A segment retired by a compaction is read from the compacted file that holds it
+    (:func:`ledger.compaction.read_piece`).
+
     Returns:
         The Parquet file, read from memory (row groups can be read one by one).
 
@@ -154,6 +157,11 @@ def open_segment(
     try:
         data = store.read_bytes(rel)
     except FileNotFoundError as e:
+        from ledger.compaction import pieces, read_piece  # compaction imports this module
+
+        piece = pieces(store).get(rel)
+        if piece is not None:
+            return read_piece(store, piece, rel, rows, checksum)
         raise LogCorrupted(f"segment {where} named by a commit marker is missing") from e
     if size is not None and len(data) != size:
         raise LogCorrupted(

@@ -242,6 +242,22 @@ class Store:
         except Exception as e:
             raise self._error(f"could not write {self.full(rel)}", e, "nothing was replaced") from e
 
+    def delete(self, rel: str) -> None:
+        """Delete the file at ``rel``; a missing file is not an error (idempotent).
+
+        Raises:
+            StorageError: if the file exists and cannot be deleted.
+        """
+        path = self.full(rel)
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            return
+        except Exception as e:
+            if not self.fs.exists(path):
+                return
+            raise self._error(f"deleting {path}", e) from e
+
     def create_exclusive(self, rel: str, data: bytes, *, durable: bool = True) -> None:
         """Create ``rel`` with ``data`` only if it does not exist yet, atomically.
 

@@ -14,6 +14,7 @@ from conftest import Augmented
 
 import ledger
 from ledger.cli import main
+from ledger.commits import read_commit
 from ledger.errors import (
     CommitNotFound,
     ConfigMismatch,
@@ -90,9 +91,7 @@ def test_malformed_tokens(root):
 
 def test_altered_segment_is_detected(root):
     token = _token(root)
-    with open(os.path.join(root, "commits", f"{token['commit']}.json")) as f:
-        marker = json.load(f)
-    seg = os.path.join(root, marker["segments"][0]["path"])
+    seg = os.path.join(root, read_commit(Store(root), token["commit"]).segments[0].path)
     with open(seg, "r+b") as f:
         f.seek(-20, os.SEEK_END)
         f.write(b"\0" * 4)
@@ -129,11 +128,11 @@ def test_mangled_marker_is_a_typed_error(root):
     path = os.path.join(root, "commits", f"{token['commit']}.json")
     with open(path) as f:
         marker = json.load(f)
-    del marker["states"]
+    del marker["ranks"]  # the rank table's reference (states and segments)
     with open(path, "w") as f:
         json.dump(marker, f)
     fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root)
-    with pytest.raises(LogCorrupted, match="states"):
+    with pytest.raises(LogCorrupted, match="ranks"):
         fresh.load_state_dict(token)
     with open(path, "w") as f:
         f.write("{not json")

@@ -30,9 +30,11 @@ from ledger.commits import (
     SegmentRef,
     default_head,
     list_commits,
+    parsing_once,
     read_commit,
     read_run,
 )
+from ledger.compaction import CompactedFile, Piece, list_compactions, pieces
 from ledger.errors import LogCorrupted
 from ledger.schema import EVENT_SCHEMA, LEGACY_COLUMNS
 from ledger.segments import orphans
@@ -62,6 +64,7 @@ def _epochs(epochs: list[int]) -> str:
     return ", ".join(str(e) for e in epochs[:10]) + (" ..." if len(epochs) > 10 else "")
 
 
+@parsing_once
 def check(
     root: str,
     names: Sequence[str] = CHECKS,
@@ -292,6 +295,7 @@ class Verification:
         return all(r.ok for r in self.results)
 
 
+@parsing_once
 def verify(root: str, progress: Progress | None = None) -> Verification:
     """Check the log's integrity: markers, commit chain, every segment, duplicates.
 
@@ -326,8 +330,17 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
     bad: list[str] = []
     refs = [(c, s) for c in commits for s in c.segments]
     nbytes = events = 0
+    placed = pieces(store)
+    files = {f.path: f for comp in list_compactions(store) for f in comp.files}
+    checked: dict[str, str | None] = {}
     for done, (c, ref) in enumerate(refs, 1):
-        problem = _segment(store, c, ref)
+        piece = placed.get(ref.path)
+        if piece is None:
+            problem = _segment(store, c, ref)
+        else:
+            if piece.path not in checked:
+                checked[piece.path] = _compacted(store, files[piece.path])
+            problem = checked[piece.path] or _piece(c, ref, piece)
         if problem:
             bad.append(problem)
         nbytes += ref.bytes
@@ -454,21 +467,54 @@ def _chain(commits: list[Commit]) -> CheckResult:
                 problems.append(f"{c.id}: parent {c.parent} is missing")
             elif parent.step > c.step:
                 problems.append(f"{c.id}: parent {c.parent} is at a later step")
-        ranks = sorted(s.rank for s in c.states)
-        if ranks != list(range(c.world_size)):
+        ranks = [s.rank for s in c.states] if c.ranks is None else list(range(len(c.states)))
+        if sorted(ranks) != list(range(c.world_size)):
             problems.append(f"{c.id}: states of ranks {ranks} for world size {c.world_size}")
-    for c in commits:  # a loop: following parents comes back to a commit
-        seen: set[str] = set()
+    # A loop: following parents comes back to a commit. Each commit is walked once
+    # (O(C)): a walk stops at a commit an earlier walk finished.
+    done: set[str] = set()
+    for c in commits:
+        path: list[str] = []
+        on_path: set[str] = set()
         cur: Commit | None = c
-        while cur is not None and cur.parent is not None:
-            if cur.id in seen:
+        while cur is not None and cur.id not in done:
+            if cur.id in on_path:
                 problems.append(f"{c.id}: its chain loops at {cur.id}")
                 break
-            seen.add(cur.id)
-            cur = by_id.get(cur.parent)
+            path.append(cur.id)
+            on_path.add(cur.id)
+            cur = by_id.get(cur.parent) if cur.parent is not None else None
+        done.update(path)
     if problems:
         return CheckResult("chain", False, "; ".join(problems[:3]))
     return CheckResult("chain", True, "every parent exists, steps never go back")
+
+
+def _compacted(store: Store, f: CompactedFile) -> str | None:
+    """A compacted file must exist with the size, SHA-256 and rows its compaction names."""
+    try:
+        data = store.read_bytes(f.path)
+    except FileNotFoundError:
+        return f"compacted file {f.path} is missing"
+    if len(data) != f.bytes or sha256(data) != f.sha256:
+        return f"compacted file {f.path} differs from its compaction's size or SHA-256"
+    try:
+        rows = pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows
+    except (pa.ArrowException, OSError) as e:
+        return f"compacted file {f.path} is not readable Parquet: {e}"
+    if rows != f.rows:
+        return f"compacted file {f.path} has {rows} rows, its compaction says {f.rows}"
+    return None
+
+
+def _piece(c: Commit, ref: SegmentRef, piece: Piece) -> str | None:
+    """A compacted segment: its compaction must record what its marker names."""
+    if (piece.sha256, piece.rows, piece.commit_id) != (ref.sha256, ref.rows, c.id):
+        return (
+            f"{ref.path} (commit {c.id}) was compacted as {piece.rows} rows of commit "
+            f"{piece.commit_id} with another SHA-256 or row count than its marker names"
+        )
+    return None
 
 
 def _segment(store: Store, c: Commit, ref: SegmentRef) -> str | None:

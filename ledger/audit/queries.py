@@ -21,7 +21,15 @@ import pyarrow.parquet as pq
 from ledger import segments
 from ledger.audit.scan import read_verified
 from ledger.audit.views import connect
-from ledger.commits import Commit, SegmentRef, default_head, lineage, list_commits, read_run
+from ledger.commits import (
+    Commit,
+    SegmentRef,
+    default_head,
+    lineage,
+    list_commits,
+    parsing_once,
+    read_run,
+)
 from ledger.errors import CommitNotFound, LedgerError
 from ledger.schema import BATCH, EVENT_SCHEMA, SAMPLE, SPAN
 from ledger.store import Store
@@ -77,6 +85,7 @@ class SampleHistory:
     commits: tuple[str, ...]
 
 
+@parsing_once
 def where(root: str, sample_id: int, head: str | None = None) -> SampleHistory:
     """Every consumption of ``sample_id``, and the commits whose model saw it.
 
@@ -196,6 +205,7 @@ def _chain(store: Store, head: str | None) -> list[Commit]:
     return lineage(store, head, known={c.id: c for c in commits})
 
 
+@parsing_once
 def show(root: str, batch: int, rank: int = 0, head: str | None = None) -> BatchRecord:
     """The samples of batch ``batch`` of ``rank`` in the lineage of ``head``.
 
@@ -271,6 +281,7 @@ RECONSTRUCT_SCHEMA = pa.schema(
 the training loop received the events), the event columns, and the commit holding each."""
 
 
+@parsing_once
 def reconstruct(
     root: str,
     commit: str,
@@ -374,6 +385,7 @@ class Materialized:
     matches: bool
 
 
+@parsing_once
 def materialize(
     root: str,
     batch: int,

@@ -31,7 +31,7 @@ from ledger.audit.checks import coverage, duplicates
 from ledger.audit.queries import output_file
 from ledger.audit.summary import CONSUMED, Summary, epoch_status, summarize
 from ledger.audit.views import connect
-from ledger.commits import read_run
+from ledger.commits import parsing_once, read_run
 from ledger.segments import orphans
 from ledger.store import Store
 
@@ -68,6 +68,7 @@ class _Curve:
     distinct: tuple[int, ...]
 
 
+@parsing_once
 def write_report(root: str, out: str | os.PathLike[str], head: str | None = None) -> Path:
     """Write one self-contained HTML page describing the log under ``root``.
 

@@ -11,6 +11,7 @@ ids in one byte-per-id numpy bitmap per epoch: ``seen[ids] = True``, then one
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,13 +21,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from ledger.audit.views import arrow_filesystem
 from ledger.commits import Commit, SegmentRef
+from ledger.compaction import Piece, list_compactions, pieces
 from ledger.errors import LogCorrupted
 from ledger.schema import EVENT_SCHEMA, SAMPLE, SKIP, SPAN
 from ledger.segments import open_segment
-from ledger.store import Store
+from ledger.store import Store, sha256
 
 _COLUMNS = ["epoch", "kind", "sample_id", "token_start", "position"]
 _MAX_BITMAP = 1 << 33
@@ -265,14 +268,24 @@ def scan(
     return result
 
 
-def _dataset(store: Store, full_paths: list[str]) -> ds.Dataset:
-    """The segments at ``full_paths`` (:meth:`Store.full` paths) as one dataset."""
-    return ds.FileSystemDataset.from_paths(
-        full_paths,
-        schema=_SCHEMA,
-        format=ds.ParquetFileFormat(),
-        filesystem=arrow_filesystem(store),
-    )
+def _dataset(store: Store, paths: list[str]) -> ds.Dataset:
+    """The segments at ``paths`` (relative) as one dataset; a segment retired by a
+    compaction is the row groups of the compacted file that hold it."""
+    placed = pieces(store)
+    fmt = ds.ParquetFileFormat()
+    fs = arrow_filesystem(store)
+    parents: dict[str, ds.ParquetFileFragment] = {}
+    fragments = []
+    for rel in paths:
+        piece = placed.get(rel)
+        if piece is None:
+            fragments.append(fmt.make_fragment(store.full(rel), fs))
+            continue
+        if piece.path not in parents:
+            parents[piece.path] = fmt.make_fragment(store.full(piece.path), fs)
+            parents[piece.path].ensure_complete_metadata()
+        fragments.append(parents[piece.path].subset(row_group_ids=piece.row_groups))
+    return ds.FileSystemDataset(fragments, _SCHEMA, fmt, fs)
 
 
 def read_verified(
@@ -302,21 +315,32 @@ def read_verified(
     """
     want = pa.schema([EVENT_SCHEMA.field(c) for c in columns])
     ahead = max(1, threads or 4)
+    placed = pieces(store)
+    compacted = _CompactedFiles(store)
 
     def load(ref: SegmentRef) -> pa.Table:
-        pf = open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256, size=ref.bytes)
+        piece = placed.get(ref.path)
         try:
-            if match is None:
-                table = pf.read(columns=columns, use_threads=False)
+            if piece is not None:  # its rows in a compacted file, read and checked once
+                table = compacted.read(piece, ref, columns)
+                if match is not None:
+                    name, value = match
+                    table = table.filter(pc.equal(table[name], value))
             else:
-                name, value = match
-                groups = [
-                    g
-                    for g in range(pf.num_row_groups)
-                    if pc.any(pc.equal(pf.read_row_group(g, [name])[name], value)).as_py()
-                ]
-                table = pf.read_row_groups(groups, columns=columns, use_threads=False)
-                table = table.filter(pc.equal(table[name], value))
+                pf = open_segment(
+                    store, ref.path, rows=ref.rows, checksum=ref.sha256, size=ref.bytes
+                )
+                if match is None:
+                    table = pf.read(columns=columns, use_threads=False)
+                else:
+                    name, value = match
+                    groups = [
+                        g
+                        for g in range(pf.num_row_groups)
+                        if pc.any(pc.equal(pf.read_row_group(g, [name])[name], value)).as_py()
+                    ]
+                    table = pf.read_row_groups(groups, columns=columns, use_threads=False)
+                    table = table.filter(pc.equal(table[name], value))
             return table if table.schema.equals(want) else table.cast(want)
         except (pa.ArrowException, OSError, ValueError) as e:
             raise LogCorrupted(
@@ -337,11 +361,65 @@ def read_verified(
                 future.cancel()
 
 
+class _CompactedFiles:
+    """Compacted files, each read and checked against its compaction once, while the
+    pieces of a scan are read from it (the newest two are kept; pieces come in order).
+    A ``ParquetFile`` is not safe to read from two threads: each thread opens its own
+    over the shared bytes."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.files = {f.path: f for c in list_compactions(store) for f in c.files}
+        self.data: dict[str, pa.Buffer] = {}
+        self.lock = threading.Lock()
+        self.local = threading.local()
+
+    def _buffer(self, path: str) -> pa.Buffer:
+        with self.lock:
+            data = self.data.get(path)
+            if data is None:
+                f = self.files[path]
+                try:
+                    raw = self.store.read_bytes(f.path)
+                except FileNotFoundError as e:
+                    raise LogCorrupted(f"compacted file {self.store.full(path)} is missing") from e
+                if len(raw) != f.bytes or sha256(raw) != f.sha256:
+                    raise LogCorrupted(
+                        f"compacted file {self.store.full(path)} differs from the size or "
+                        "SHA-256 its compaction names: it was altered"
+                    )
+                data = pa.py_buffer(raw)
+                if len(self.data) >= 2:
+                    self.data.pop(next(iter(self.data)))
+                self.data[path] = data
+            return data
+
+    def read(self, piece: Piece, ref: SegmentRef, columns: list[str]) -> pa.Table:
+        if (piece.sha256, piece.rows) != (ref.sha256, ref.rows):
+            raise LogCorrupted(
+                f"segment {self.store.full(ref.path)} was compacted with another SHA-256 or "
+                "row count than its marker names"
+            )
+        mine: dict[str, pq.ParquetFile] = getattr(self.local, "files", None) or {}
+        self.local.files = mine
+        pf = mine.get(piece.path)
+        if pf is None:
+            mine.clear()
+            pf = mine[piece.path] = pq.ParquetFile(pa.BufferReader(self._buffer(piece.path)))
+        table = pf.read_row_groups(piece.row_groups, columns=columns, use_threads=False)
+        if table.num_rows != ref.rows:
+            raise LogCorrupted(
+                f"{self.store.full(piece.path)} holds {table.num_rows} rows of segment "
+                f"{ref.path}, its marker says {ref.rows}"
+            )
+        return table
+
+
 def last_position(store: Store, paths: list[str], epoch: int, packed: bool) -> int | None:
     """Largest position of a consumed event of ``epoch`` in the segments at ``paths``."""
     columns = ["epoch", "kind", "position"] + (["token_start"] if packed else [])
     best: int | None = None
-    for batch in _dataset(store, [store.full(p) for p in paths]).to_batches(
+    for batch in _dataset(store, paths).to_batches(
         columns=columns, filter=pc.field("epoch") == epoch
     ):
         consumed, _ = _consumed(batch)

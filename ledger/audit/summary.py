@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from ledger.audit.scan import Progress, ScanResult, last_position, scan
 from ledger.audit.views import connect
-from ledger.commits import list_commits, read_run
+from ledger.commits import list_commits, parsing_once, read_run
 from ledger.store import Store
 
 # An event that hands a sample to the training loop: a 'sample', or the first span of a
@@ -185,6 +185,7 @@ def epoch_status(s: Summary, e: EpochSummary) -> str:
     return "in progress"
 
 
+@parsing_once
 def summarize(root: str, head: str | None = None, progress: Progress | None = None) -> Summary:
     """Summarise the log under ``root`` as of ``head``.
 
@@ -212,6 +213,7 @@ def summarize(root: str, head: str | None = None, progress: Progress | None = No
         con.close()
 
 
+@parsing_once
 def counts(
     con: duckdb.DuckDBPyConnection, store: Store, progress: Progress | None = None
 ) -> ScanResult:

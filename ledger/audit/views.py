@@ -99,9 +99,11 @@ from ledger.commits import (
     default_head,
     lineage,
     list_commits,
+    parsing_once,
     read_attempt,
     read_run,
 )
+from ledger.compaction import Piece, pieces
 from ledger.errors import LogCorrupted
 from ledger.journal import uncommitted
 from ledger.schema import EVENT_SCHEMA, chunks_to_table
@@ -184,6 +186,7 @@ _RUN_SCHEMA = pa.schema(
 )
 
 
+@parsing_once
 def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     """Open an in-memory, locked-down DuckDB connection with the audit views of a log.
 
@@ -254,38 +257,57 @@ def arrow_filesystem(store: Store) -> pafs.FileSystem:
 def _events_dataset(store: Store, commits: list[Commit]) -> ds.Dataset:
     """One Arrow dataset over the segments of ``commits``, with commit_id and step columns.
 
-    Each file's ``commit_id`` and ``step`` are given as its partition expression, which
-    Arrow materialises as columns and uses to skip files on a filter over them.
+    A segment's ``commit_id`` and ``step`` are given as its fragment's partition
+    expression, which Arrow materialises as columns and uses to skip files on a filter
+    over them. A segment retired by a compaction is read from the compacted file, whose
+    rows carry the two columns: the whole file when every segment it holds is wanted,
+    else just the row groups of the wanted ones.
     """
-    paths: list[str] = []
-    partitions: list[ds.Expression] = []
+    placed = pieces(store)
+    fmt = ds.ParquetFileFormat(
+        read_options=ds.ParquetReadOptions(dictionary_columns=["kind", "commit_id"])
+    )
+    fs = arrow_filesystem(store)
+    fragments: list[ds.Fragment] = []
+    wanted: dict[str, list[Piece]] = {}
     for c in commits:
         for s in c.segments:
-            paths.append(store.full(s.path))
-            partitions.append((ds.field("commit_id") == c.id) & (ds.field("step") == c.step))
-    return ds.FileSystemDataset.from_paths(
-        paths,
-        schema=EVENTS_SCHEMA,
-        format=ds.ParquetFileFormat(
-            read_options=ds.ParquetReadOptions(dictionary_columns=["kind"])
-        ),
-        filesystem=arrow_filesystem(store),
-        partitions=partitions,
-    )
+            piece = placed.get(s.path)
+            if piece is not None:
+                wanted.setdefault(piece.path, []).append(piece)
+                continue
+            where = (ds.field("commit_id") == c.id) & (ds.field("step") == c.step)
+            fragments.append(fmt.make_fragment(store.full(s.path), fs, partition_expression=where))
+    held: dict[str, int] = {}
+    for piece in placed.values():
+        held[piece.path] = held.get(piece.path, 0) + 1
+    for path, parts in wanted.items():
+        whole = fmt.make_fragment(store.full(path), fs)
+        if len(parts) == held[path]:
+            fragments.append(whole)
+            continue
+        whole.ensure_complete_metadata()
+        fragments.extend(whole.subset(row_group_ids=p.row_groups) for p in parts)
+    return ds.FileSystemDataset(fragments, EVENTS_SCHEMA, fmt, fs)
 
 
 def _check_segments_exist(store: Store, commits: list[Commit]) -> None:
-    """Raise LogCorrupted if a segment named by a marker is missing (one listing per folder)."""
+    """Raise LogCorrupted if a segment named by a marker is missing (one listing per
+    folder); a compacted segment must have its compacted file."""
+    placed = pieces(store)
     listed: dict[str, set[str]] = {}
     for c in commits:
         for s in c.segments:
-            folder, _, name = s.path.rpartition("/")
+            piece = placed.get(s.path)
+            path = piece.path if piece is not None else s.path
+            folder, _, name = path.rpartition("/")
             if folder not in listed:
                 listed[folder] = set(store.ls(folder))
             if name not in listed[folder]:
+                held = f" (holding segment {s.path})" if piece is not None else ""
                 raise LogCorrupted(
-                    f"segment {store.full(s.path)} named by commit {c.id} is missing: the log "
-                    "lost a committed file; restore it from a backup"
+                    f"{'file' if piece else 'segment'} {store.full(path)}{held} named by commit "
+                    f"{c.id} is missing: the log lost a committed file; restore it from a backup"
                 )
 
 

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import torch.utils.data as tud
 
 from ledger import segments
-from ledger.commits import Commit, PipelineState, WorkerState, lineage, read_commit
+from ledger.commits import Commit, PipelineState, WorkerState, newest_segments, read_commit
 from ledger.errors import LedgerError, LogCorrupted
 from ledger.schema import BUFFER, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
@@ -91,6 +91,7 @@ class StreamDriver:
         self._states: list[WorkerState] = []
         self._plans: dict[tuple[int, str, int, int], EpochPlan] = {}
         self._carries: dict[tuple[str, int, int], dict[int, Any] | None] = {}
+        self._newest: dict[str, list[Any]] = {}
 
     def initial_state(self) -> PipelineState:
         return self.epoch_start(0, 0, "")
@@ -297,11 +298,9 @@ class StreamDriver:
         """Buffer contents of ``state``'s rank at ``head``, by worker, in slot order."""
         if not any(w.rows_read > w.emitted for w in state.workers):
             return {}
-        chain = lineage(self.store, head.id)
-        ref = next(
-            (s for c in reversed(chain) for s in c.segments if s.rank == state.rank and s.rows),
-            None,
-        )
+        if head.id not in self._newest:  # one look-up per head for all its ranks
+            self._newest = {head.id: newest_segments(self.store, head, len(head.states))}
+        ref = self._newest[head.id][state.rank]
         if ref is None:
             raise LogCorrupted(f"commit {head.id} has buffered samples but no segment")
         table = segments.read(

@@ -1,0 +1,460 @@
+"""Compaction: rewrite many small segments into few large files, changing no answer.
+
+A compaction takes the segments of the lineage of a commit (``before``) and copies them,
+in lineage order, into a few files ``events/compacted/<id>/part-<k>.parquet``: each
+original segment becomes its own row groups (a *piece*), with two extra columns,
+``commit_id`` and ``step``, saying which commit's marker names it. It then publishes
+them through a compaction commit:
+
+    compactions/<id>.pieces.parquet   one row per piece (:data:`PIECES_SCHEMA`)
+    compactions/<id>.json             the compaction marker (created exclusively): its
+                                      files with sizes and SHA-256, and the pieces table's
+
+and only then retires (deletes) the original segments. Markers are never rewritten:
+they go on naming the original paths, and every reader resolves a path through the
+compactions (:func:`pieces`), so ``replay``, the views, ``where``, ``show``,
+``reconstruct``, ``verify`` and ``report`` answer exactly as before.
+
+A kill at any point leaves a valid log: before the marker, the new files are unnamed
+(no reader looks at them) and the originals untouched; after it, readers use the new
+files and the originals still present are ignored, and running ``ledger compact`` again
+finishes retiring them. Training may run meanwhile: it only appends, and compaction
+never touches the newest segment of any rank at the default head or at ``before`` (what
+resuming there reads), nor any segment off the lineage of ``before``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ledger import segments
+from ledger.commits import (
+    Commit,
+    command_cache,
+    default_head,
+    lineage,
+    list_commits,
+    newest_segments,
+    now_iso,
+    parsing_once,
+    read_run,
+)
+from ledger.errors import CommitConflict, CommitNotFound, LogCorrupted
+from ledger.ranks import SegmentRef
+from ledger.schema import EVENT_SCHEMA, SCHEMA_VERSION
+from ledger.store import Store, sha256
+
+PIECES_SCHEMA = pa.schema(
+    [
+        pa.field("path", pa.string(), nullable=False),
+        pa.field("sha256", pa.string(), nullable=False),
+        pa.field("rows", pa.int64(), nullable=False),
+        pa.field("commit_id", pa.string(), nullable=False),
+        pa.field("file", pa.int32(), nullable=False),
+        pa.field("first_group", pa.int32(), nullable=False),
+        pa.field("groups", pa.int32(), nullable=False),
+    ]
+)
+"""Columns of ``compactions/<id>.pieces.parquet``: the original segment's ``path``,
+``sha256`` and ``rows`` (as its marker names them), the ``commit_id`` whose marker names
+it, and where its rows now are: row groups ``[first_group, first_group + groups)`` of
+file number ``file`` of the compaction."""
+
+TARGET_ROWS = 1 << 22
+"""Events per compacted file (about 4 M; a file closes at the first segment past it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Where the rows of one original segment are after a compaction.
+
+    Attributes:
+        path: the compacted file, relative to the root.
+        first_group: its first row group holding the segment's rows.
+        groups: how many row groups hold them.
+        rows: the segment's rows.
+        sha256: the original segment's SHA-256 (as its marker names it).
+        commit_id: the commit whose marker names the segment.
+    """
+
+    path: str
+    first_group: int
+    groups: int
+    rows: int
+    sha256: str
+    commit_id: str
+
+    @property
+    def row_groups(self) -> list[int]:
+        return list(range(self.first_group, self.first_group + self.groups))
+
+
+@dataclass(frozen=True, slots=True)
+class CompactedFile:
+    """A file a compaction wrote: path relative to the root, events, bytes, SHA-256."""
+
+    path: str
+    rows: int
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class Compaction:
+    """A compaction marker and its pieces.
+
+    Attributes:
+        id: the compaction's id (the id of its ``before`` commit).
+        before: the commit whose lineage it compacted.
+        created_at: ISO 8601 UTC time.
+        files: the files it wrote.
+        pieces: original segment path -> where its rows are.
+    """
+
+    id: str
+    before: str
+    created_at: str
+    files: tuple[CompactedFile, ...]
+    pieces: dict[str, Piece]
+
+
+# ------------------------------------------------------------------ reading
+
+
+def compaction_path(cid: str) -> str:
+    """Path of a compaction marker, relative to the root."""
+    return f"compactions/{cid}.json"
+
+
+def read_compaction(store: Store, cid: str) -> Compaction:
+    """Read a compaction marker and its pieces table.
+
+    Raises:
+        LogCorrupted: if a field is missing, or the pieces table is missing, altered
+            (SHA-256) or malformed.
+    """
+    rel = compaction_path(cid)
+    try:
+        data = json.loads(store.read_bytes(rel))
+        files = tuple(CompactedFile(**f) for f in data["files"])
+        ref = data["pieces"]
+        blob = store.read_bytes(ref["path"])
+        before, created = str(data["before"]), str(data["created_at"])
+    except FileNotFoundError as e:
+        raise LogCorrupted(f"{store.full(rel)} names a missing file: {e}") from e
+    except (ValueError, KeyError, TypeError) as e:
+        raise LogCorrupted(f"{store.full(rel)} lacks or mangles a field: {e!r}") from e
+    if sha256(blob) != ref["sha256"]:
+        raise LogCorrupted(f"{store.full(ref['path'])} differs from the SHA-256 {rel} names")
+    try:
+        table = pq.read_table(pa.BufferReader(blob)).cast(PIECES_SCHEMA).to_pydict()
+    except (pa.ArrowException, ValueError, KeyError) as e:
+        raise LogCorrupted(f"{store.full(ref['path'])} is not a pieces table: {e}") from e
+    pieces = {}
+    for i, path in enumerate(table["path"]):
+        pieces[path] = Piece(
+            files[table["file"][i]].path,
+            table["first_group"][i],
+            table["groups"][i],
+            table["rows"][i],
+            table["sha256"][i],
+            table["commit_id"][i],
+        )
+    return Compaction(cid, before, created, files, pieces)
+
+
+def list_compactions(store: Store) -> list[Compaction]:
+    """Every compaction marker under the root, oldest first."""
+    names = [n for n in store.ls("compactions") if n.endswith(".json")]
+    found = [read_compaction(store, n[: -len(".json")]) for n in names]
+    return sorted(found, key=lambda c: (c.created_at, c.id))
+
+
+def pieces(store: Store) -> dict[str, Piece]:
+    """Original segment path -> its piece, over every compaction of the root (empty when
+    none). Read once per command inside :func:`ledger.commits.parse_once`."""
+    cache = command_cache()
+    key = ("pieces", store.uri)
+    if cache is not None and key in cache:
+        return cache[key]
+    out: dict[str, Piece] = {}
+    for c in list_compactions(store):
+        out.update(c.pieces)
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def read_piece(
+    store: Store, piece: Piece, rel: str, rows: int | None, checksum: str | None
+) -> pq.ParquetFile:
+    """The rows of a compacted segment as a Parquet file of its own (in memory), with the
+    event columns only: what :func:`ledger.segments.open_segment` returns for it. Inside
+    :func:`ledger.commits.parse_once` (one command, one thread) the compacted file is
+    read once for all its pieces.
+
+    Raises:
+        LogCorrupted: if the compacted file is missing or holds other rows.
+    """
+    cache = command_cache()
+    key = ("compacted", store.uri, piece.path)
+    whole = cache.get(key) if cache is not None else None
+    if whole is None:
+        try:
+            data = store.read_bytes(piece.path)
+        except FileNotFoundError as e:
+            raise LogCorrupted(
+                f"{store.full(piece.path)}, which holds segment {rel} since a compaction, "
+                "is missing"
+            ) from e
+        whole = pq.ParquetFile(pa.BufferReader(data))
+        if cache is not None:  # one command reads the pieces of a file in a row
+            for k in [k for k in cache if k[0] == "compacted"]:
+                del cache[k]
+            cache[key] = whole
+    table = whole.read_row_groups(piece.row_groups)
+    if (rows is not None and table.num_rows != rows) or table.num_rows != piece.rows:
+        raise LogCorrupted(
+            f"{store.full(piece.path)} holds {table.num_rows} rows of segment {rel}, "
+            f"its marker says {rows}"
+        )
+    if checksum is not None and piece.sha256 != checksum:
+        raise LogCorrupted(
+            f"segment {rel} was compacted with SHA-256 {piece.sha256}, its marker says "
+            f"{checksum}: the marker or the compaction was altered"
+        )
+    events = _unify(table)
+    return pq.ParquetFile(pa.BufferReader(segments.encode(events)))
+
+
+def _unify(table: pa.Table) -> pa.Table:
+    """``table`` with exactly the columns of :data:`EVENT_SCHEMA`: missing ones (a
+    segment written before a column was added) as nulls, extra ones dropped."""
+    cols = []
+    for f in EVENT_SCHEMA:
+        if f.name in table.column_names:
+            cols.append(table[f.name].cast(f.type))
+        else:
+            cols.append(pa.nulls(table.num_rows, f.type))
+    return pa.table(cols, schema=EVENT_SCHEMA)
+
+
+# ------------------------------------------------------------------ writing
+
+COMPACTED_SCHEMA = pa.schema(
+    [*EVENT_SCHEMA, pa.field("commit_id", pa.string()), pa.field("step", pa.int64())]
+)
+"""Columns of a compacted file: the event columns, then the commit naming each row."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionResult:
+    """What :func:`compact` did.
+
+    Attributes:
+        id: the compaction's id (``""``: nothing to compact).
+        segments: segments compacted.
+        files: files written.
+        rows: events copied.
+        retired: original segments deleted (by this run, including those an earlier,
+            killed run had compacted but not yet retired).
+    """
+
+    id: str
+    segments: int
+    files: int
+    rows: int
+    retired: int
+
+
+Hook = Callable[[str], None]
+"""``hook(point)``: called at ``"files"`` (compacted files written), ``"pieces"`` (pieces
+table written) and ``"marker"`` (compaction committed), and after each retired segment
+(``"retire"``); tests kill the process there."""
+
+
+@parsing_once
+def compact(
+    root: str,
+    before: str | None = None,
+    *,
+    target_rows: int = TARGET_ROWS,
+    hook: Hook | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> CompactionResult:
+    """Compact the segments of the lineage of ``before`` into few files.
+
+    Args:
+        root: the log root (local or object store).
+        before: id of the commit whose lineage is compacted (default: the default
+            head). Segments off that lineage, already compacted, or the newest of a rank
+            at ``before`` or at the default head are left as they are.
+        target_rows: events per compacted file (a file closes past it).
+        hook: called at the kill points (tests).
+        storage_options: fsspec options of a remote root.
+
+    Returns:
+        What was compacted and retired.
+
+    Raises:
+        CommitNotFound: if the root holds no run or ``before`` names no commit.
+        LogCorrupted: if a segment to compact is missing or differs from its marker
+            (nothing is written then).
+        CommitConflict: if another compaction of the same ``before`` committed first
+            with other contents (run again: it finds nothing left to compact).
+
+    Note:
+        A failure before the compaction marker leaves files under
+        ``events/compacted/<id>/`` that nothing names (no reader sees them; the next
+        run overwrites them); after it, originals not yet deleted, which the next run
+        deletes.
+    """
+    store = Store(root, storage_options)
+    read_run(store)
+    return _compact(store, before, target_rows, hook or (lambda _: None))
+
+
+def _compact(store: Store, before: str | None, target_rows: int, hook: Hook) -> CompactionResult:
+    commits = list_commits(store)
+    known = {c.id: c for c in commits}
+    head = default_head(commits)
+    if head is None:
+        return CompactionResult("", 0, 0, 0, 0)
+    if before is not None and before not in known:
+        raise CommitNotFound(f"commit {before} does not exist under {store.uri}")
+    target = known[before] if before is not None else head
+    retired = _retire_leftovers(store, known, hook)
+    done = pieces(store)
+    keep = {
+        ref.path
+        for c in (head, target)
+        for ref in newest_segments(store, c, max(c.world_size, len(c.states)))
+        if ref is not None
+    }
+    todo: list[tuple[Commit, SegmentRef]] = [
+        (c, ref)
+        for c in lineage(store, target.id, known=known)
+        for ref in sorted(c.segments, key=lambda s: s.rank)
+        if ref.rows > 0 and ref.path not in keep and ref.path not in done
+    ]
+    if len(todo) < 2:
+        return CompactionResult("", 0, 0, 0, retired)
+    cid = target.id
+    if store.exists(compaction_path(cid)):
+        cid = f"{target.id}-{len(list_compactions(store))}"
+    files, rows = _write_files(store, cid, todo, target_rows)
+    hook("files")
+    table = pa.table(
+        {
+            "path": [ref.path for _, ref in todo],
+            "sha256": [ref.sha256 for _, ref in todo],
+            "rows": [ref.rows for _, ref in todo],
+            "commit_id": [c.id for c, _ in todo],
+            "file": [r[0] for r in rows],
+            "first_group": [r[1] for r in rows],
+            "groups": [r[2] for r in rows],
+        },
+        schema=PIECES_SCHEMA,
+    )
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    blob = bytes(sink.getvalue().to_pybytes())
+    pieces_rel = f"compactions/{cid}.pieces.parquet"
+    store.write_atomic(pieces_rel, blob)
+    hook("pieces")
+    marker = {
+        "version": SCHEMA_VERSION,
+        "kind": "compaction",
+        "id": cid,
+        "before": target.id,
+        "created_at": now_iso(),
+        "files": [
+            {"path": f.path, "rows": f.rows, "bytes": f.bytes, "sha256": f.sha256} for f in files
+        ],
+        "pieces": {"path": pieces_rel, "bytes": len(blob), "sha256": sha256(blob)},
+    }
+    try:
+        store.create_exclusive(compaction_path(cid), json.dumps(marker, indent=1).encode())
+    except CommitConflict as e:
+        raise CommitConflict(
+            f"another compaction {cid} committed first: {e}; run ledger compact again"
+        ) from e
+    hook("marker")
+    cache = command_cache()
+    if cache is not None:
+        cache.pop(("pieces", store.uri), None)
+    for _, ref in todo:
+        store.delete(ref.path)
+        retired += 1
+        hook("retire")
+    return CompactionResult(cid, len(todo), len(files), sum(r.rows for _, r in todo), retired)
+
+
+def _retire_leftovers(store: Store, known: dict[str, Commit], hook: Hook) -> int:
+    """Delete originals that committed compactions hold and that a killed run left."""
+    count = 0
+    for path in pieces(store):
+        if store.exists(path):
+            store.delete(path)
+            count += 1
+            hook("retire")
+    return count
+
+
+def _write_files(
+    store: Store, cid: str, todo: list[tuple[Commit, SegmentRef]], target_rows: int
+) -> tuple[list[CompactedFile], list[tuple[int, int, int]]]:
+    """Copy the segments into files of about ``target_rows`` events, each segment as its
+    own row groups; returns the files and, per segment, ``(file, first group, groups)``."""
+    files: list[CompactedFile] = []
+    where: list[tuple[int, int, int]] = []
+    writer: pq.ParquetWriter | None = None
+    sink: pa.BufferOutputStream | None = None
+    groups = rows = 0
+
+    def close() -> None:
+        nonlocal writer, sink
+        if writer is None or sink is None:
+            return
+        writer.close()
+        data = bytes(sink.getvalue().to_pybytes())
+        rel = f"events/compacted/{cid}/part-{len(files):05d}.parquet"
+        store.write_atomic(rel, data)
+        files.append(CompactedFile(rel, rows, len(data), sha256(data)))
+        writer = sink = None
+
+    for c, ref in todo:
+        table = segments.read(store, ref.path, rows=ref.rows, checksum=ref.sha256)
+        table = _unify(table)
+        table = table.append_column(
+            "commit_id", pa.array([c.id] * table.num_rows, pa.string())
+        ).append_column("step", pa.array([c.step] * table.num_rows, pa.int64()))
+        if writer is None:
+            sink = pa.BufferOutputStream()
+            writer = pq.ParquetWriter(
+                sink,
+                COMPACTED_SCHEMA,
+                compression="zstd",
+                use_dictionary=["kind", "commit_id"],
+                column_encoding=segments._DELTA,
+                write_statistics=True,
+            )
+            groups = rows = 0
+        n = -(-table.num_rows // segments.ROW_GROUP_ROWS)
+        writer.write_table(table, row_group_size=segments.ROW_GROUP_ROWS)
+        where.append((len(files), groups, n))
+        groups += n
+        rows += table.num_rows
+        if rows >= target_rows:
+            close()
+    close()
+    return files, where
+
+
+__all__ = ["CompactionResult", "compact", "pieces"]

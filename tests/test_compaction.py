@@ -1,0 +1,258 @@
+"""Compaction: every view and every command answers the same before and after; a SIGKILL
+at any point leaves a valid log; training may run meanwhile; S3 roots too."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import threading
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from conftest import packed_stream
+
+import ledger
+from ledger.audit import connect
+from ledger.cli import main
+from ledger.compaction import compact, list_compactions, pieces
+from ledger.store import Store
+from ledger.testing import batches_equal, take
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VIEWS = ("events", "lineage", "segments", "commits", "states", "attempts", "uncommitted")
+
+
+class Ids:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        import torch
+
+        return {"id": torch.tensor(i)}
+
+
+def loader(root, **kw):
+    return ledger.DataLoader(Ids(23), batch_size=4, shuffle=True, seed=3, log=root, **kw)
+
+
+def history(root: str) -> list[dict]:
+    """Attempt 0 commits every 2 batches for 16 batches; attempt 1 resumes from batch 6
+    (an abandoned branch) and commits at 9 and 12; 2 more batches stay uncommitted."""
+    first = loader(root)
+    tokens = []
+    for done, _ in enumerate(take(first, 16), 1):
+        if done % 2 == 0:
+            tokens.append(first.state_dict())
+    second = loader(root)
+    second.load_state_dict(tokens[2])
+    for done, _ in enumerate(take(second, 8), 7):
+        if done in (9, 12):
+            tokens.append(second.state_dict())
+    return tokens
+
+
+def answers(root: str) -> dict:
+    """Every view's rows and every command's output."""
+    con = connect(root)
+    out: dict = {v: con.sql(f"SELECT * FROM {v} ORDER BY ALL").fetchall() for v in VIEWS}
+    con.close()
+    head = connect(root, "000000000002-0000")  # a lineage that ends inside a compacted file
+    out["lineage@2"] = head.sql("SELECT * FROM lineage ORDER BY ALL").fetchall()
+    head.close()
+    runner = CliRunner()
+    for args in (
+        ["audit", root, "--format", "json"],
+        ["audit", root, "--check", "all", "--format", "json"],
+        ["audit", root, "--head", "8-0", "--format", "json"],
+        ["verify", root, "--format", "json"],
+        ["where", root, "--sample", "5", "--format", "json"],
+        ["where", root, "--sample", "17", "--format", "json"],
+        ["show", root, "--batch", "1", "--format", "json"],
+        ["show", root, "--batch", "10", "--format", "json"],
+    ):
+        result = runner.invoke(main, args)
+        out[" ".join(args[:1] + args[2:])] = (result.exit_code, result.output)
+    out["reconstruct"] = _reconstruct(root, "000000000012-0001")
+    out["report"] = _report(root)
+    return out
+
+
+def _report(root: str) -> bytes:
+    folder = os.environ.get("LEDGER_JOURNAL_DIR", "/tmp") if "://" in root else root + "-out"
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "report.html")
+    result = CliRunner().invoke(main, ["report", root, "--out", path])
+    assert result.exit_code == 0, result.output
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _reconstruct(root: str, commit: str) -> list:
+    path = os.path.join(os.path.dirname(root.rstrip("/")), f"seen-{abs(hash(root))}.parquet")
+    if "://" in root:
+        path = os.path.join(os.environ.get("LEDGER_JOURNAL_DIR", "/tmp"), "seen.parquet")
+    result = CliRunner().invoke(main, ["reconstruct", root, "--commit", commit, "--out", path])
+    assert result.exit_code == 0, result.output
+    return pq.read_table(path).to_pylist()
+
+
+def segment_files(root: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(root, "events", "attempt=*", "rank=*", "*.parquet")))
+
+
+def test_every_answer_is_the_same_after_compaction(tmp_path):
+    root = str(tmp_path / "log")
+    tokens = history(root)
+    before = answers(root)
+    assert before["verify --format json"][0] == 0, before["verify --format json"]
+    files = len(segment_files(root))
+    result = compact(root, target_rows=20)
+    # The lineage of 12-1 is 2, 4, 6 (attempt 0), 9, 12; 12's segment is the newest.
+    assert (result.segments, result.files, result.retired) == (4, 2, 4)
+    assert len(segment_files(root)) == files - 4
+    assert answers(root) == before
+    # Resume from every checkpoint, the compacted ones included, is still exact.
+    reference = list(take(loader(str(tmp_path / "ref")), 20))
+    for token in tokens:
+        resumed = loader(root)
+        resumed.load_state_dict(token)
+        done = token["step"]
+        got = list(take(resumed, 20 - done))
+        assert all(batches_equal(a, b) for a, b in zip(got, reference[done:], strict=True))
+    # A second compaction has nothing left in that lineage but the newest segment.
+    assert compact(root).segments == 0
+
+
+def test_a_compaction_before_an_older_commit_and_then_the_rest(tmp_path):
+    root = str(tmp_path / "log")
+    history(root)
+    before = answers(root)
+    first = compact(root, "000000000006-0000")  # lineage 2, 4, 6: 6's newest is kept
+    assert (first.id, first.segments) == ("000000000006-0000", 2)
+    assert answers(root) == before
+    second = compact(root)  # lineage 2, 4 (done), 6, 9, 12 (newest)
+    assert (second.id, second.segments) == ("000000000012-0001", 2)
+    assert answers(root) == before
+    assert [c.id for c in list_compactions(Store(root))] == [first.id, second.id]
+
+
+@pytest.mark.parametrize("point", ["files", "pieces", "marker", "retire"])
+def test_sigkill_at_each_point_leaves_a_valid_log(tmp_path, point):
+    root = str(tmp_path / "log")
+    history(root)
+    before = answers(root)
+    child = subprocess.run(
+        [sys.executable, os.path.join(HERE, "compact_child.py"), root, point],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -9, child.stderr
+    committed = bool(list_compactions(Store(root)))
+    assert committed == (point in ("marker", "retire"))
+    assert answers(root) == before  # valid, and every answer the same
+    rest = compact(root)  # finishes (or redoes) the job
+    assert rest.retired + rest.segments > 0
+    assert not [p for p in pieces(Store(root)) if os.path.exists(os.path.join(root, p))]
+    assert answers(root) == before
+
+
+def test_compaction_while_training_appends(tmp_path):
+    root = str(tmp_path / "log")
+    ref_root = str(tmp_path / "ref")
+    run = loader(root)
+    reference = loader(ref_root)
+    for done, _ in enumerate(take(run, 8), 1):
+        if done % 2 == 0:
+            run.state_dict()
+    for done, _ in enumerate(take(reference, 8), 1):
+        if done % 2 == 0:
+            reference.state_dict()
+    errors: list[BaseException] = []
+
+    def compacting():
+        try:
+            for _ in range(5):
+                compact(root, target_rows=16)
+        except BaseException as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=compacting)
+    worker.start()
+    for done, _ in enumerate(take(run, 12), 9):
+        if done % 2 == 0:
+            token = run.state_dict()
+    for done, _ in enumerate(take(reference, 12), 9):
+        if done % 2 == 0:
+            reference.state_dict()
+    worker.join()
+    assert not errors, errors
+    compact(root)
+    assert list_compactions(Store(root))
+    query = "SELECT epoch, batch, position, sample_id, kind FROM lineage ORDER BY ALL"
+    assert connect(root).sql(query).fetchall() == connect(ref_root).sql(query).fetchall()
+    resumed = loader(root)
+    resumed.load_state_dict(token)
+    ref = loader(ref_root)
+    ref.load_state_dict(reference.state_dict())
+    assert all(batches_equal(a, b) for a, b in zip(take(resumed, 5), take(ref, 5), strict=True))
+    assert CliRunner().invoke(main, ["verify", root]).exit_code == 0
+
+
+def test_stream_log_with_buffers_compacts(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for s in range(3):
+        with open(shards / f"part-{s}.jsonl", "w") as f:
+            for i in range(5 + s):
+                f.write(f'{{"text": "shard {s} doc {i} {"x" * (3 * i)}"}}\n')
+    root = str(tmp_path / "log")
+
+    def make():
+        return ledger.DataLoader(
+            packed_stream(str(shards), shuffle_buffer=3),
+            batch_size=2,
+            shuffle=True,
+            seed=5,
+            log=root,
+            num_workers=2,
+        )
+
+    first = make()
+    tokens = []
+    reference = []
+    for done, batch in enumerate(take(first, 12), 1):
+        reference.append(batch)
+        if done % 3 == 0:
+            tokens.append(first.state_dict())
+    con = connect(root)
+    query = "SELECT * FROM events ORDER BY ALL"
+    events = con.sql(query).fetchall()
+    assert compact(root).segments == 3
+    assert connect(root).sql(query).fetchall() == events
+    for token in tokens:
+        resumed = make()
+        resumed.load_state_dict(token)
+        done = token["step"]
+        got = list(take(resumed, 12 - done))
+        assert all(batches_equal(a, b) for a, b in zip(got, reference[done:], strict=True))
+
+
+def test_compaction_on_s3(s3, tmp_path):
+    root = s3.new_root("compact")
+    history(root)
+    before = answers(root)
+    result = CliRunner().invoke(main, ["compact", root])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("compaction 000000000012-0001: 4 segments")
+    assert answers(root) == before
+    store = Store(root)
+    assert all(not store.exists(p) for p in pieces(store))

@@ -1,0 +1,299 @@
+"""How ledger's costs grow with history (commits) and with ranks: the growth table.
+
+Builds synthetic logs with ledger's own writers (segments: ``chunks_to_table`` +
+``segments.encode``; markers: the rank rows of :func:`ledger.ranks.pack`, assembled by
+:func:`ledger.ranks.from_rows` and written by :func:`ledger.commits.write_commit`, the
+path rank 0 takes at a commit), then times, in this one process:
+
+- **resume**: ``DataLoader.load_state_dict`` (replay and its checks) at C commits;
+- **elastic resume**: one rank of W/2 ranks resuming a W-rank head (map-style);
+- **rank-0 commit work**: building and encoding the marker from W gathered rows,
+  excluding storage I/O, map-style and stream (8 workers per rank);
+- **marker bytes per rank** and the **marker parse** time at W ranks;
+- **verify** and **audit** (``ledger.audit.summarize``) at C commits;
+- **audit after compaction**: 10^6 events written as 10 segments, as 10,000, and the
+  10,000 after ``ledger compact``.
+
+Each row gives the time at each size and the slope of log(time) against log(size)
+between the smallest and largest size (0: flat, 1: linear). Times are the best of
+``--repeat`` runs.
+
+Example:
+    nice -n 10 python tools/scale.py                # about 3 minutes on 2 cores
+    python tools/scale.py --quick                   # smaller sizes, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+import ledger
+from ledger.audit import summarize
+from ledger.audit.checks import verify
+from ledger.commits import (
+    PipelineState,
+    WorkerState,
+    commit_id,
+    new_commit,
+    open_run,
+    read_commit,
+    write_commit,
+)
+from ledger.compaction import compact
+from ledger.loader import TOKEN_VERSION
+from ledger.order import BatchPlan, EpochOrder
+from ledger.ranks import NEWS, SegmentRef, decode, from_rows, pack
+from ledger.schema import SAMPLE, EventChunk, batch_event, chunks_to_table
+from ledger.segments import encode, segment_path
+from ledger.store import Store, sha256
+
+N = 10**7  # dataset length: no epoch ends in these runs
+SEED = 0
+
+
+class Range:
+    """Map-style dataset: item ``i`` is ``i`` (never read: only resumes are timed)."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def loader(root: str, batch: int, rank: int = 0, world: int = 1) -> ledger.DataLoader:
+    return ledger.DataLoader(
+        Range(),
+        batch_size=batch,
+        shuffle=True,
+        seed=SEED,
+        log=root,
+        per_sample_rng=False,
+        rank=rank,
+        world_size=world,
+    )
+
+
+def build(root: str, commits: int, world: int, batch: int, batches_per_commit: int = 1) -> dict:
+    """A map-style log of ``commits`` commits of ``world`` ranks, each rank consuming
+    ``batches_per_commit`` batches of ``batch`` samples per commit; returns the head's
+    token."""
+    store = Store(root)
+    run_id = open_run(store, loader(root, batch).config)
+    orders = EpochOrder(N, SEED, 0, True)
+    plans = [BatchPlan(N, batch, False, r, world) for r in range(world)]
+    parent = None
+    k = 0
+    for _ in range(commits):
+        rows = []
+        for r, plan in enumerate(plans):
+            chunks = []
+            for b in range(k, k + batches_per_commit):
+                lo, hi = plan.batch_bounds(b)
+                ids = orders.sample_ids(np.arange(lo, hi, dtype=np.int64))
+                chunks.append(EventChunk(SAMPLE, 0, b, -1, lo, ids))
+                chunks.append(batch_event(0, b, -1, lo, bytes(32)))
+            data = encode(chunks_to_table(chunks, 0, r))
+            step = k + batches_per_commit
+            rel = segment_path(0, r, step)
+            store.write_atomic(rel, data)
+            ref = SegmentRef(r, rel, sum(ch.rows for ch in chunks), len(data), sha256(data))
+            rows.append(pack(PipelineState(r, 0, step, step), ref, NEWS))
+        k += batches_per_commit
+        header = {
+            "id": commit_id(k, 0),
+            "step": k,
+            "attempt": 0,
+            "parent": parent.id if parent else None,
+            "world_size": world,
+            "created_at": "2026-01-01T00:00:00+00:00",
+        }
+        parent = new_commit(header, from_rows(np.stack(rows), parent and parent.ranks))
+        write_commit(store, parent)
+    assert parent is not None
+    return {
+        "version": TOKEN_VERSION,
+        "root": store.uri,
+        "run_id": run_id,
+        "commit": parent.id,
+        "attempt": 0,
+        "world_size": world,
+        "step": parent.step,
+    }
+
+
+def best(fn: Callable[[], Any], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def slope(sizes: list[int], values: list[float]) -> float:
+    return math.log(values[-1] / values[0]) / math.log(sizes[-1] / sizes[0])
+
+
+def gathered(world: int, workers: int) -> np.ndarray:
+    """The rows rank 0 receives at a commit of ``world`` ranks (random cursors)."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for r in range(world):
+        ws = tuple(
+            WorkerState(
+                w,
+                shard=int(rng.integers(0, 64)),
+                row=int(rng.integers(0, 10**5)),
+                rows_read=int(rng.integers(0, 10**7)),
+                draws=int(rng.integers(0, 10**7)),
+                emitted=int(rng.integers(0, 10**7)),
+                doc=int(rng.integers(0, 10**10)),
+                doc_offset=int(rng.integers(0, 4096)),
+                doc_length=int(rng.integers(4096, 8192)),
+            )
+            for w in range(workers)
+        )
+        step = 500_000
+        rel = segment_path(3, r, step)
+        ref = SegmentRef(r, rel, 5000, 40_000 + r, rng.bytes(32).hex())
+        state = PipelineState(r, 2, 12_345, step, ws, int(rng.integers(0, max(workers, 1))))
+        rows.append(pack(state, ref, NEWS))
+    width = max(len(x) for x in rows)
+    return np.stack([np.pad(x, (0, width - len(x))) for x in rows])
+
+
+def marker_work(world: int, workers: int, repeat: int) -> tuple[float, float, float]:
+    """Rank-0 commit work (s), marker bytes per rank, and marker parse (s) at ``world``."""
+    rows = gathered(world, workers)
+    header = {
+        "id": commit_id(500_000, 3),
+        "step": 500_000,
+        "attempt": 3,
+        "parent": None,
+        "world_size": world,
+        "created_at": "2026-01-01T00:00:00+00:00",
+    }
+    out: list[Any] = []
+
+    def work() -> None:
+        commit = new_commit(header, from_rows(rows, None))
+        out[:] = [commit.table_bytes(), commit.to_json()]
+
+    t_work = best(work, repeat)
+    table, marker = out
+    shape = (rows.shape[0], rows.shape[1])
+    t_parse = best(lambda: decode(table, shape, 3, "x")[world // 2], repeat)
+    return t_work, (len(table) + len(marker)) / world, t_parse
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to build the logs (default: a temp dir)")
+    args = ap.parse_args()
+    console = Console()
+    base = args.dir or tempfile.mkdtemp(prefix="ledger-scale-")
+    os.makedirs(base, exist_ok=True)
+    # One-process gloo group: lets a loader say world_size=W without W processes (resume
+    # issues no collective).
+    dist.init_process_group("gloo", init_method=f"file://{base}/pg", rank=0, world_size=1)
+    commits = [10, 100, 1000] if args.quick else [10, 100, 1000, 10_000]
+    olds = [16, 64] if args.quick else [16, 64, 256]
+    worlds = [100, 1000] if args.quick else [100, 1000, 10_000]
+    rows: list[tuple[str, list[int], list[float], str]] = []
+    load = os.getloadavg()
+    try:
+        tokens = {}
+        t0 = time.perf_counter()
+        for c in commits:
+            tokens[c] = build(f"{base}/c{c}", c, 1, 100)
+        console.print(f"built {len(commits)} logs of 1 rank in {time.perf_counter() - t0:.0f} s")
+
+        def resume(c: int) -> None:
+            lo = loader(f"{base}/c{c}", 100)
+            lo.load_state_dict(tokens[c])
+
+        resumes = [best(lambda c=c: resume(c), args.repeat) for c in commits]
+        rows.append(("resume (s)", commits, resumes, "C"))
+        verifies = [best(lambda c=c: verify(f"{base}/c{c}"), 1) for c in commits[1:]]
+        rows.append(("verify (s)", commits[1:], verifies, "C"))
+        audits = [best(lambda c=c: summarize(f"{base}/c{c}"), 1) for c in commits[1:]]
+        rows.append(("audit summary (s)", commits[1:], audits, "C"))
+
+        elastic = []
+        for w in olds:
+            token = build(f"{base}/w{w}", 3, w, 4)
+
+            def again(w: int = w, token: dict = token) -> None:
+                lo = loader(f"{base}/w{w}", 4, 0, w // 2)
+                lo.load_state_dict(token)
+
+            elastic.append(best(again, args.repeat))
+        rows.append(("elastic resume W -> W/2, one rank (s)", olds, elastic, "W"))
+
+        for workers, name in ((0, "map-style"), (8, "stream, 8 workers")):
+            measured = [marker_work(w, workers, args.repeat) for w in worlds]
+            rows.append((f"rank-0 commit work, {name} (s)", worlds, [m[0] for m in measured], "W"))
+            rows.append((f"marker bytes per rank, {name}", worlds, [m[1] for m in measured], "W"))
+            rows.append((f"marker parse, {name} (s)", worlds, [m[2] for m in measured], "W"))
+
+        # Audit of 10^6 events: 10 segments, 10,000 segments, the 10,000 compacted.
+        big = commits[-1]
+        few = build(f"{base}/few", 10, 1, 100, batches_per_commit=big // 10)
+        assert few["step"] == big
+        t_few = best(lambda: summarize(f"{base}/few"), args.repeat)
+        many = f"{base}/c{big}"
+        t_many = best(lambda: summarize(many), args.repeat)
+        t = time.perf_counter()
+        result = compact(many)
+        t_compact = time.perf_counter() - t
+        t_after = best(lambda: summarize(many), args.repeat)
+        head = read_commit(Store(many), tokens[big]["commit"])
+        assert head.step == big
+    finally:
+        dist.destroy_process_group()
+
+    table = Table(
+        title=f"ledger growth (load average {load[0]:.1f} at start, {os.cpu_count()} cores)"
+    )
+    table.add_column("measure")
+    table.add_column("sizes")
+    table.add_column("values")
+    table.add_column("slope")
+    for name, sizes, values, unit in rows:
+        fmt = "{:.0f}" if "bytes" in name else "{:.4f}"
+        table.add_row(
+            name,
+            ", ".join(f"{unit}={s:,}" for s in sizes),
+            ", ".join(fmt.format(v) for v in values),
+            f"{slope(sizes, values):.2f}",
+        )
+    console.print(table)
+    console.print(
+        f"audit summary of {big * 100:,} events: 10 segments {t_few:.3f} s; "
+        f"{big:,} segments {t_many:.3f} s ({t_many / t_few:.2f}x); after compacting "
+        f"{result.segments:,} of them into {result.files} files ({t_compact:.1f} s): "
+        f"{t_after:.3f} s ({t_after / t_few:.2f}x)"
+    )
+    console.print(f"resume at C={commits[-1]:,} vs C={commits[0]}: "
+                  f"{rows[0][2][-1] / rows[0][2][0]:.2f}x")  # fmt: skip
+    if args.dir is None:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
