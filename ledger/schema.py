@@ -77,8 +77,8 @@ EVENT_SCHEMA = pa.schema(
 - ``kind`` string (dictionary-encoded): ``'sample'``, ``'skip'``, ``'span'`` (tokens
   ``[token_start, token_end)`` of a sample packed into a sequence of the batch),
   ``'buffer'`` (a sample in a shuffle buffer at the commit) or ``'batch'`` (one per
-  batch, after its samples: ``value`` is the batch's content digest,
-  :func:`ledger.digest.batch_digest`; ``position`` is its first sample's).
+  batch, after its samples: ``digest`` is the batch's content digest,
+  :func:`ledger.digest.digest_bytes`; ``position`` is its last sample's).
 - ``token_start``, ``token_end`` int64: the span's tokens (``span`` only, else null).
 - ``length`` int64: the sample's length in tokens, EOS included (``span`` only).
 - ``value`` string: JSON of the draws the transform recorded with ``ctx.record``, on the
@@ -136,11 +136,10 @@ class EventChunk:
         """``(this chunk without its digest, the batch event carrying it or None)``."""
         if self.digest is None or self.kind == BATCH:
             return self, None
-        first = (
-            int(self.positions[0])
-            if self.positions is not None and self.positions.size
-            else self.position
-        )
+        if self.positions is not None and self.positions.size:
+            last = int(self.positions[-1])
+        else:
+            last = self.position + max(int(self.sample_ids.shape[0]) - 1, 0)
         bare = EventChunk(
             self.kind,
             self.epoch,
@@ -154,15 +153,16 @@ class EventChunk:
             self.length,
             self.values,
         )
-        return bare, batch_event(self.epoch, self.batch, self.worker, first, self.digest)
+        return bare, batch_event(self.epoch, self.batch, self.worker, last, self.digest)
 
 
 def batch_event(epoch: int, batch: int, worker: int, position: int, digest: bytes) -> EventChunk:
     """The ``batch`` event recording the content digest (32 bytes) of one batch.
 
-    ``position`` is the position of the batch's first sample: a value in the run of the
-    column's neighbours keeps its delta encoding narrow (an outlier such as -1 would
-    widen every value of its Parquet miniblock).
+    ``position`` is the position of the batch's last sample: the row repeats its
+    predecessor's value, so the column's delta encoding stays at 1 bit per row (the
+    first sample's position, 255 back, widened every value of the Parquet miniblock
+    holding it to 9 bits; an outlier such as -1 would widen it more).
     """
     return EventChunk(BATCH, epoch, batch, worker, position, _NO_SAMPLE, digest=digest)
 

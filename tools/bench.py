@@ -8,13 +8,19 @@ belong in a report, never in a test):
    their order rotated) so that drift of the machine hits every loader alike. Every loader
    is constructed, iterated for one epoch and, where it can checkpoint, asked for its
    ``state_dict()`` once, all inside the timed region. The ledger loaders log to a fresh
-   root each repeat; one of them with ``digest=False`` (no per-batch content digest).
+   root each repeat: with the default arguments (``rng="batch"``, digest on), with
+   per-sample seeding (``rng="sample"``), and bare (``rng="off", digest=False``).
+   1b: the same for a HF ``datasets.Dataset`` of 50,000 rows in torch format (fetched
+   through its ``__getitems__`` by both loaders). Then a ``ledger.stream.Stream`` against
+   the same reading by a plain ``IterableDataset`` (``tools/bench_stream.py``), and the
+   stream's main-process work per batch.
 2. Time to first batch (TTFB) after resuming at 50% of an epoch vs a fresh start: median
    of several interleaved repeats. The resume token comes from a loader that consumed
    half an epoch and called ``state_dict()``; each resume starts a new attempt.
 3. Bytes per event on disk after one epoch with a commit every K batches, against the
    information content of a shuffled sample id, ``log2(N)/8`` bytes; with the default
    per-batch digest events and without them.
+4. The digest's cost: hashing a batch, and recording a batch with and without it.
 
 4. With ``--audit`` instead: coverage and duplicates over a log of 10^8 events
    (``tools/bench_audit.py``).
@@ -23,7 +29,7 @@ belong in a report, never in a test):
    batches (:func:`object_store_table`).
 
 Example:
-    python tools/bench.py            # the full run (about 3-5 minutes on 2 cores)
+    python tools/bench.py            # the full run (about 8-10 minutes on 2 cores)
     python tools/bench.py --audit    # the audit of 10^8 events (about 2 minutes)
     python tools/bench.py --quick    # a smaller run (about 1 minute)
 """
@@ -53,7 +59,12 @@ import torch.utils.data as tud
 from rich.console import Console
 from rich.table import Table
 
+import bench_stream
+import numpy as np
+
 import ledger
+from ledger.digest import digest_bytes
+from ledger.schema import SAMPLE, EventChunk
 
 try:  # optional: torchdata's StatefulDataLoader is the closest resumable baseline
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -64,9 +75,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 TORCH = "torch DataLoader"
-LEDGER_NORNG = "ledger (per_sample_rng=False)"
-LEDGER_BARE = "ledger (per_sample_rng=False, digest=False)"
-LEDGER = "ledger (default)"
+LEDGER = "ledger (default: rng='batch', digest)"
+LEDGER_SAMPLE = "ledger (rng='sample')"
+LEDGER_BARE = "ledger (rng='off', digest=False)"
 STATEFUL = "torchdata StatefulDataLoader"
 
 
@@ -93,6 +104,8 @@ class Config:
     bytes_n: int
     commit_every: int
     seed: int
+    quick: bool = False
+    hf: bool = False
 
 
 class Roots:
@@ -117,21 +130,22 @@ def _torch_loader(cfg: Config, nw: int, _root: str) -> tud.DataLoader:
     g = torch.Generator()
     g.manual_seed(cfg.seed)
     return tud.DataLoader(
-        Trivial(cfg.n), batch_size=cfg.batch_size, shuffle=True, num_workers=nw, generator=g
+        _dataset(cfg), batch_size=cfg.batch_size, shuffle=True, num_workers=nw, generator=g
     )
 
 
-def _ledger_loader(per_sample_rng: bool, digest: bool = True) -> Callable[[Config, int, str], Any]:
+def _ledger_loader(**options: Any) -> Callable[[Config, int, str], Any]:
+    """A ledger loader with the default arguments but ``options``."""
+
     def make(cfg: Config, nw: int, root: str) -> ledger.DataLoader:
         return ledger.DataLoader(
-            Trivial(cfg.n),
+            _dataset(cfg),
             batch_size=cfg.batch_size,
             shuffle=True,
             seed=cfg.seed,
             log=root,
             num_workers=nw,
-            per_sample_rng=per_sample_rng,
-            digest=digest,
+            **options,
         )
 
     return make
@@ -141,17 +155,28 @@ def _stateful_loader(cfg: Config, nw: int, _root: str) -> Any:
     g = torch.Generator()
     g.manual_seed(cfg.seed)
     return StatefulDataLoader(
-        Trivial(cfg.n), batch_size=cfg.batch_size, shuffle=True, num_workers=nw, generator=g
+        _dataset(cfg), batch_size=cfg.batch_size, shuffle=True, num_workers=nw, generator=g
     )
+
+
+def _dataset(cfg: Config) -> Any:
+    """The trivial dataset, or with ``cfg.hf``, a HF ``datasets.Dataset`` in torch format."""
+    if not cfg.hf:
+        return Trivial(cfg.n)
+    import datasets
+
+    rng = np.random.default_rng(0)
+    table = {"x": rng.random((cfg.n, 16), dtype=np.float32), "y": rng.integers(0, 10, cfg.n)}
+    return datasets.Dataset.from_dict(table).with_format("torch")
 
 
 def _factories() -> dict[str, tuple[Callable[[Config, int, str], Any], bool]]:
     """name -> (factory(cfg, num_workers, root), whether it logs to a root)."""
     out: dict[str, tuple[Callable[[Config, int, str], Any], bool]] = {
         TORCH: (_torch_loader, False),
-        LEDGER_BARE: (_ledger_loader(False, digest=False), True),
-        LEDGER_NORNG: (_ledger_loader(False), True),
-        LEDGER: (_ledger_loader(True), True),
+        LEDGER: (_ledger_loader(), True),
+        LEDGER_SAMPLE: (_ledger_loader(rng="sample"), True),
+        LEDGER_BARE: (_ledger_loader(rng="off", digest=False), True),
     }
     if StatefulDataLoader is not None:
         out[STATEFUL] = (_stateful_loader, False)
@@ -176,6 +201,8 @@ def _epoch_seconds(make: Callable[[], Any]) -> tuple[float, int]:
 def throughput(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, int], float]:
     """Best-of-R batches/s of every loader and worker count, repeats interleaved."""
     factories = _factories()
+    if cfg.hf:  # the per-sample option is the same batched fetch for HF datasets
+        factories.pop(LEDGER_SAMPLE)
     names = list(factories)
     best: dict[tuple[str, int], float] = {}
     # Warm-up: a tiny epoch of each, so lazy imports (pyarrow.parquet, ...) and first-call
@@ -201,9 +228,9 @@ def throughput(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, i
     return best
 
 
-def throughput_table(cfg: Config, best: dict[tuple[str, int], float]) -> Table:
+def throughput_table(cfg: Config, best: dict[tuple[str, int], float], title: str) -> Table:
     t = Table(
-        title=f"1. Throughput: one epoch, N={cfg.n:,}, batch {cfg.batch_size}, shuffle, "
+        title=f"{title}: one epoch, N={cfg.n:,}, batch {cfg.batch_size}, shuffle, "
         f"best of {cfg.repeats}"
     )
     for col in (
@@ -218,6 +245,8 @@ def throughput_table(cfg: Config, best: dict[tuple[str, int], float]) -> Table:
     for nw in cfg.workers:
         base = best[TORCH, nw]
         for name in _factories():
+            if (name, nw) not in best:
+                continue
             rate = best[name, nw]
             extra = (1 / rate - 1 / base) * 1e6
             t.add_row(
@@ -260,7 +289,7 @@ def _half_epoch_token(make: Callable[[], Any], half: int) -> dict[str, Any]:
 def resume_ttfb(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, int], tuple]:
     """(loader, nw) -> (median fresh s, median resume s), repeats interleaved."""
     half = math.ceil(cfg.n / cfg.batch_size) // 2
-    candidates = {LEDGER: (_ledger_loader(True), True)}
+    candidates = {LEDGER: (_ledger_loader(), True)}
     if StatefulDataLoader is not None:
         candidates[STATEFUL] = (_stateful_loader, False)
     out: dict[tuple[str, int], tuple] = {}
@@ -320,7 +349,7 @@ def bytes_per_event(cfg: Config, roots: Roots, digest: bool = True) -> dict[str,
         shuffle=True,
         seed=cfg.seed,
         log=str(root),
-        per_sample_rng=False,  # the log does not depend on it; faster
+        rng="off",  # the log does not depend on it; faster
         digest=digest,
     )
     for i, _ in enumerate(loader, start=1):
@@ -431,7 +460,7 @@ def _commit_run(
         shuffle=True,
         seed=cfg.seed,
         log=root,
-        per_sample_rng=False,
+        rng="off",
         storage_options=options,
     )
     commits = []
@@ -449,7 +478,7 @@ def _commit_run(
 
 def object_store_table(cfg: Config, tmpdir: str | None, console: Console) -> Table | str:
     """Commit latency and throughput to a local S3 server vs local disk, for one epoch of
-    ``cfg.n`` events (0 workers, ``per_sample_rng=False``), committing every
+    ``cfg.n`` events (0 workers, ``rng="off"``), committing every
     ``cfg.commit_every`` batches (large segments) and every 10 batches (small ones: the
     per-commit requests dominate). Best-of-R throughput; commit latency: median and max
     over all commits of all repeats. The S3 server is ``rclone serve s3`` over a local
@@ -529,10 +558,52 @@ def object_store_table(cfg: Config, tmpdir: str | None, console: Console) -> Tab
 # ---------------------------------------------------------------------- goals
 
 
+def digest_cost(cfg: Config) -> dict[str, float]:
+    """µs per batch: hashing a trivial batch (where it runs: the worker, or the main
+    process at 0 workers), and recording a batch with and without its digest."""
+    batch = torch.arange(cfg.batch_size)
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        digest_bytes(batch)
+    hash_us = (time.perf_counter() - t0) / n * 1e6
+    recorded = {}
+    for with_digest in (False, True):
+        log = ledger.Ledger(tempfile.mkdtemp(prefix="ledger-bench-digest-"))
+        log.open({"bench": "digest"})
+        log.start(None)
+        ids = np.arange(cfg.batch_size, dtype=np.int64)
+        d = digest_bytes(batch) if with_digest else None
+        t0 = time.perf_counter()
+        for b in range(n):
+            log.append(EventChunk(SAMPLE, 0, b, 0, b * cfg.batch_size, ids, digest=d))
+        recorded[with_digest] = (time.perf_counter() - t0) / n * 1e6
+        log.close()
+        shutil.rmtree(log.root, ignore_errors=True)
+    return {"hash": hash_us, "record": recorded[False], "record+digest": recorded[True]}
+
+
+def digest_table(cfg: Config, d: dict[str, float]) -> Table:
+    t = Table(title=f"4. The digest's cost per batch of {cfg.batch_size} (µs, mean of 2,000)")
+    for col in ("measured", "µs/batch"):
+        t.add_column(col, justify="left" if col == "measured" else "right")
+    t.add_row("SHA-256 of the batch (in the worker; main process at 0 workers)", f"{d['hash']:.1f}")
+    t.add_row("record a batch without digest (main process)", f"{d['record']:.1f}")
+    t.add_row("record a batch with its digest (main process)", f"{d['record+digest']:.1f}")
+    return t
+
+
 def goals_table(
-    cfg: Config, best: dict, ttfb: dict, nbytes: dict[str, Any], bare: dict[str, Any]
+    cfg: Config,
+    best: dict,
+    hf: dict,
+    stream: dict[tuple[bool, int], float],
+    stream_us: dict[bool, float],
+    digest: dict[str, float],
+    ttfb: dict,
+    nbytes: dict[str, Any],
 ) -> Table:
-    t = Table(title="Goals")
+    t = Table(title="Goals (issue 11), with default arguments unless named")
     for col in ("goal", "measured", "target", "met"):
         t.add_column(col, justify="left" if col == "goal" else "right")
 
@@ -540,36 +611,27 @@ def goals_table(
         t.add_row(goal, f"{value:.3f}", target, "yes" if ok else "[bold red]no[/]")
 
     for nw in cfg.workers:
-        r = best[LEDGER_BARE, nw] / best[TORCH, nw]
-        row(
-            f"throughput ratio, per_sample_rng=False, digest=False, workers={nw}",
-            r,
-            ">= 0.99",
-            r >= 0.99,
-        )
-    for nw in cfg.workers:
-        r = best[LEDGER_NORNG, nw] / best[TORCH, nw]
-        row(f"throughput ratio, per_sample_rng=False, workers={nw}", r, ">= 0.99", r >= 0.99)
-    for nw in cfg.workers:
         r = best[LEDGER, nw] / best[TORCH, nw]
-        row(
-            f"throughput ratio, default (per_sample_rng costs ~9 µs/sample by design), "
-            f"workers={nw}",
-            r,
-            ">= 0.99",
-            r >= 0.99,
-        )
+        row(f"map-style throughput vs torch, workers={nw}", r, ">= 0.95", r >= 0.95)
+    for nw in cfg.workers:
+        r = hf[LEDGER, nw] / hf[TORCH, nw]
+        row(f"HF datasets.Dataset throughput vs torch, workers={nw}", r, ">= 0.95", r >= 0.95)
+    for (packed, nw), r in sorted(stream.items()):
+        name = f"Stream vs plain IterableDataset, packing {'on' if packed else 'off'}, workers={nw}"
+        row(name, r, ">= 0.90", r >= 0.90)
+    for packed, us in sorted(stream_us.items()):
+        name = f"Stream main-process µs per 256 samples, packing {'on' if packed else 'off'}"
+        row(name, us, "<= 50", us <= 50)
+    extra = digest["record+digest"] - digest["record"]
+    row("digest: main-process µs per batch with workers (recording it)", extra, "<= 5", extra <= 5)
+    row("digest: µs per batch hashing it (main process at 0 workers)", digest["hash"], "<= 5",
+        digest["hash"] <= 5)  # fmt: skip
     for nw in cfg.workers:
         fresh, resume = ttfb[LEDGER, nw]
         row(f"resume TTFB ratio, workers={nw}", resume / fresh, "<= 1.1", resume / fresh <= 1.1)
     ideal = math.log2(cfg.bytes_n) / 8
-    s = nbytes["sizes"]
-    r = s["events/"] / nbytes["events"] / ideal
-    row("bytes/event ratio, events/", r, "<= 1.10", r <= 1.10)
-    r = (s["events/"] + s["commits/"] + s["run.json"]) / nbytes["events"] / ideal
-    row("bytes/event ratio, events/ + commits/ + run.json", r, "<= 1.10", r <= 1.10)
-    r = bare["sizes"]["events/"] / bare["events"] / ideal
-    row("bytes/event ratio, events/, digest=False", r, "<= 1.10", r <= 1.10)
+    r = nbytes["sizes"]["events/"] / nbytes["events"] / ideal
+    row("bytes/event ratio to log2(N)/8, events/, digest on", r, "<= 1.10", r <= 1.10)
     return t
 
 
@@ -607,6 +669,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None]:
         bytes_n=a.bytes_n,
         commit_every=a.commit_every,
         seed=a.seed,
+        quick=a.quick,
     )
     return cfg, a.tmpdir
 
@@ -634,13 +697,28 @@ def main(argv: list[str] | None = None) -> None:
         nbytes = bytes_per_event(cfg, roots)
         bare = bytes_per_event(cfg, roots, digest=False)
         best = throughput(cfg, roots, console)
+        hf_cfg = replace(cfg, n=50_000, hf=True)
+        hf = throughput(hf_cfg, roots, console)
         ttfb = resume_ttfb(cfg, roots, console)
+        digest = digest_cost(cfg)
+        paths = bench_stream.make_shards(roots.base, *((8, 5000) if cfg.quick else (16, 10_000)))
+        stream_main, stream_us = bench_stream.main_process_work(paths, roots.base, 8)
+        stream_tp, stream = bench_stream.throughput(
+            paths, list(cfg.workers), cfg.repeats, roots.base, console
+        )
     finally:
         roots.cleanup()
-    console.print(throughput_table(cfg, best))
+    console.print(throughput_table(cfg, best, "1. Throughput, trivial map-style dataset"))
+    console.print(
+        throughput_table(hf_cfg, hf, "1b. Throughput, HF datasets.Dataset (torch format)")
+    )
+    console.print(stream_tp)
+    console.print(stream_main)
     console.print(ttfb_table(cfg, ttfb))
     console.print(bytes_table(cfg, nbytes, bare))
-    console.print(goals_table(cfg, best, ttfb, nbytes, bare))
+    console.print(digest_table(cfg, digest))
+    console.print(goals_table(cfg, best, hf, stream, stream_us, digest, ttfb, nbytes))
+    console.print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     console.print(object_store_table(cfg, tmpdir, console))
     console.print(f"total {time.perf_counter() - start:.0f} s")
 

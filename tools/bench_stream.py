@@ -161,13 +161,17 @@ def _epoch(make: Any) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
-def throughput(paths: list[str], workers: list[int], repeats: int, tmp: str, con: Console) -> Table:
+def throughput(
+    paths: list[str], workers: list[int], repeats: int, tmp: str, con: Console
+) -> tuple[Table, dict[tuple[bool, int], float]]:
+    """The table, and ledger's ratio to the plain stream by (packing, workers)."""
     t = Table(
         title=f"Stream throughput, default arguments, shuffle buffer {BUFFER}, best of {repeats}"
     )
     for col in ("packing", "workers", "plain IterableDataset b/s", "ledger Stream b/s", "ratio"):
         t.add_column(col, justify="left" if col == "packing" else "right")
     count = 0
+    ratios: dict[tuple[bool, int], float] = {}
     for packed in (False, True):
         bs = _batch_size(packed)
         for nw in workers:
@@ -194,6 +198,7 @@ def throughput(paths: list[str], workers: list[int], repeats: int, tmp: str, con
                     con.print(
                         f"stream packed={packed} nw={nw} rep {r + 1} {name}: {n / secs:,.0f} b/s"
                     )
+            ratios[packed, nw] = best["ledger"] / best["plain"]
             t.add_row(
                 "on" if packed else "off",
                 str(nw),
@@ -201,11 +206,13 @@ def throughput(paths: list[str], workers: list[int], repeats: int, tmp: str, con
                 f"{best['ledger']:,.1f}",
                 f"{best['ledger'] / best['plain']:.3f}",
             )
-    return t
+    return t, ratios
 
 
-def main_process_work(paths: list[str], tmp: str, workers: int) -> Table:
-    """µs of the loader's per-batch work in the main process, on pre-produced batches."""
+def main_process_work(paths: list[str], tmp: str, workers: int) -> tuple[Table, dict[bool, float]]:
+    """µs of the loader's per-batch work in the main process, on pre-produced batches;
+    the table, and µs per 256 samples by packing."""
+    per256: dict[bool, float] = {}
     t = Table(title=f"Main-process work per batch ({workers} logical workers, buffer {BUFFER})")
     for col in ("packing", "batches", "samples/batch", "µs/batch", "µs per 256 samples"):
         t.add_column(col, justify="left" if col == "packing" else "right")
@@ -245,6 +252,7 @@ def main_process_work(paths: list[str], tmp: str, workers: int) -> Table:
             append(chunk)
         secs = time.perf_counter() - t0
         samples = sum(m.sample_ids.size for m in metas) / len(metas)
+        per256[packed] = secs / len(metas) * 1e6 * 256 / samples
         t.add_row(
             "on" if packed else "off",
             str(len(metas)),
@@ -253,7 +261,7 @@ def main_process_work(paths: list[str], tmp: str, workers: int) -> Table:
             f"{secs / len(metas) * 1e6 * 256 / samples:.1f}",
         )
         loader.close()
-    return t
+    return t, per256
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -270,8 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     tmp = tempfile.mkdtemp(prefix="ledger-bench-stream-")
     try:
         paths = make_shards(tmp, a.shards, a.rows)
-        con.print(main_process_work(paths, tmp, 8))
-        con.print(throughput(paths, a.workers, a.repeats, tmp, con))
+        con.print(main_process_work(paths, tmp, 8)[0])
+        con.print(throughput(paths, a.workers, a.repeats, tmp, con)[0])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     con.print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
