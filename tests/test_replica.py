@@ -1,19 +1,146 @@
-"""The vectorised replica (IdFeed) hands on exactly what a worker's DocFeed does."""
+"""The vectorised id stream (IdFeed), the workers' Feed and the replica equal the shuffle buffer's
+sample-at-a-time definition (DocFeed, below)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ledger.stream.replica as replica_module
+import ledger.stream.shuffle as shuffle_module
 from ledger.commits import WorkerState
 from ledger.errors import LedgerError
-from ledger.stream.pipeline import BatchMeta, DocFeed
-from ledger.stream.replica import IdFeed, Replica
+from ledger.order import _mix_scalar
+from ledger.stream.pipeline import BatchMeta, Feed
+from ledger.stream.replica import Replica
+from ledger.stream.shuffle import IdFeed
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+class DocFeed:
+    """The shuffle buffer's definition, a sample at a time (the workers' code before the
+    vectorised IdFeed): the reference both IdFeed and the workers' Feed must equal.
+
+    Args:
+        source: the rows (their counts; data is read through ``read``).
+        pieces: the worker's row ranges ``(shard, start, stop)`` in reading order.
+        state: where the worker stands.
+        buffer: sample ids in the buffer's slots, in slot order.
+        payloads: payloads of those slots (``None``: a replica, ids only).
+        size: buffer size (rows).
+        key: 64-bit key of the buffer's counter-based generator.
+        read: ``(shard, row, stop) -> iterator of payloads of that shard from that row``;
+            ``None`` for a replica.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        pieces: list[tuple[int, int, int]],
+        state: WorkerState,
+        buffer: list[int],
+        payloads: list[Any] | None,
+        size: int,
+        key: int,
+        read: Callable[[int, int, int], Iterator[Any]] | None = None,
+    ) -> None:
+        self.source = source
+        self.pieces = pieces
+        self.shard = state.shard
+        self.row = state.row
+        self.rows_read = state.rows_read
+        self.draws = state.draws
+        self.emitted = state.emitted
+        self.ids = list(buffer)
+        self.payloads = payloads if payloads is not None else [None] * len(buffer)
+        self.size = size
+        self.key = key
+        self._read = read
+        self._rows: Iterator[Any] | None = None
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        # ``shard`` indexes the pieces; ``row`` is the next row of that piece's shard.
+        while self.shard < len(self.pieces):
+            _, start, stop = self.pieces[self.shard]
+            self.row = max(self.row, start)
+            if self.row < stop:
+                return
+            self.shard += 1
+            self.row = 0
+            self._rows = None
+
+    def has_rows(self) -> bool:
+        return self.shard < len(self.pieces)
+
+    def exhausted(self) -> bool:
+        """No row left to read and nothing in the buffer."""
+        return not self.has_rows() and not self.ids
+
+    def _next_row(self) -> tuple[int, Any]:
+        file, _, stop = self.pieces[self.shard]
+        sid = int(self.source.offsets[file]) + self.row
+        payload = None
+        if self._read is not None:
+            if self._rows is None:
+                self._rows = self._read(file, self.row, stop)
+            payload = next(self._rows)
+        self.row += 1
+        self.rows_read += 1
+        self._skip_empty()
+        return sid, payload
+
+    def _draw(self, n: int) -> int:
+        j = _mix_scalar((self.key + self.draws * _GOLDEN) & _M64) % n
+        self.draws += 1
+        return j
+
+    def next(self) -> tuple[int, Any] | None:
+        """The next sample of the shuffled stream, or ``None`` at the end of the epoch."""
+        if self.size == 0:
+            if not self.has_rows():
+                return None
+            self.emitted += 1
+            return self._next_row()
+        while len(self.ids) < self.size and self.has_rows():
+            sid, payload = self._next_row()
+            self.ids.append(sid)
+            self.payloads.append(payload)
+        if not self.ids:
+            return None
+        j = self._draw(len(self.ids))
+        out = (self.ids[j], self.payloads[j])
+        if self.has_rows():
+            self.ids[j], self.payloads[j] = self._next_row()
+        else:  # drain: remove slot j, keep the others in order of their slots
+            self.ids[j], self.payloads[j] = self.ids[-1], self.payloads[-1]
+            self.ids.pop()
+            self.payloads.pop()
+        self.emitted += 1
+        return out
+
+    def state(
+        self, worker: int, doc: tuple[int, int, int] | None, tails: list[tuple[int, int, int]]
+    ) -> WorkerState:
+        """The worker's state now; ``doc`` is the packer's ``(sample id, offset, length)``."""
+        d = doc if doc is not None else (-1, 0, 0)
+        return WorkerState(
+            worker,
+            self.shard,
+            self.row,
+            self.rows_read,
+            self.draws,
+            self.emitted,
+            *d,
+            tails=tuple(tails),
+        )
 
 
 def _source(rows: list[int]) -> SimpleNamespace:
@@ -41,7 +168,7 @@ def feeds(draw: st.DrawFn) -> tuple:
 def test_idfeed_equals_docfeed_from_any_state(case: tuple, chunk: int) -> None:
     """Step for step, whatever the chunk of steps computed at once."""
     rows, pieces, size, key, skip, chunks = case
-    replica_module._CHUNK = chunk
+    shuffle_module._CHUNK = chunk
     try:
         source = _source(rows)
         worker = DocFeed(source, list(pieces), WorkerState(0), [], None, size, key)  # type: ignore[arg-type]
@@ -75,7 +202,7 @@ def test_idfeed_equals_docfeed_from_any_state(case: tuple, chunk: int) -> None:
                 worker.emitted,
             )
     finally:
-        replica_module._CHUNK = 4096
+        shuffle_module._CHUNK = 4096
 
 
 def _meta(ids: list[int], spans: list[tuple[int, int, int]] | None) -> BatchMeta:
@@ -105,3 +232,29 @@ def test_fold_checks_ids_and_packing() -> None:
     r = _replica()
     with pytest.raises(LedgerError, match="produced sample 1, but the plan says 0"):
         r.fold(_meta([1], [(0, 2, 2)]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(feeds())
+def test_the_workers_feed_equals_the_definition_with_payloads(case: tuple) -> None:
+    rows, pieces, size, key, skip, _ = case
+    source = _source(rows)
+
+    def read(shard: int, row: int, stop: int) -> Iterator[str]:
+        base = int(source.offsets[shard])
+        return (f"payload {base + r}" for r in range(row, stop))
+
+    reference = DocFeed(source, list(pieces), WorkerState(0), [], None, size, key, read)
+    for _ in range(skip):
+        if reference.next() is None:
+            break
+    state = reference.state(0, None, [])
+    buffer = list(reference.ids)
+    feed = Feed(
+        source, list(pieces), state, buffer, [f"payload {i}" for i in buffer], size, key, read
+    )  # type: ignore[arg-type]
+    while True:
+        want, got = reference.next(), feed.next()
+        assert got == want
+        if want is None:
+            break

@@ -35,16 +35,13 @@ from ledger.digest import digest_bytes
 from ledger.errors import LedgerError
 from ledger.order import (
     EpochOrder,
-    _mix_scalar,
     derive_key,
     rngs_preserved,
     sample_seed,
     seed_globals,
 )
+from ledger.stream.shuffle import IdFeed, Piece
 from ledger.stream.source import ShardedSource
-
-_M64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,23 +200,28 @@ class EpochPlan:
 
 
 Loaded = tuple[int, Any]  # (sample id, payload)
-Piece = tuple[int, int, int]  # (shard, first row, row after the last)
+
 Tail = tuple[int, int, int]  # (sample id, tokens already packed, length in tokens)
 
 
-class DocFeed:
-    """One logical worker's shuffled stream of samples; payloads optional (replica).
+class Feed:
+    """One logical worker's shuffled stream of samples with their payloads.
+
+    The ids come from :class:`~ledger.stream.shuffle.IdFeed` (the same computation the
+    main process's replica runs); the rows are read in order as its cursor advances,
+    transformed, and held by sample id until the buffer hands them on. Ids are taken a
+    few at a time: as many as the caller says it needs, else 1, 2, 4, ... up to
+    :data:`_AHEAD`, so a resumed worker reads no row its first batch does not need.
 
     Args:
-        source: the rows (their counts; data is read through ``read``).
+        source: the rows.
         pieces: the worker's row ranges ``(shard, start, stop)`` in reading order.
         state: where the worker stands.
         buffer: sample ids in the buffer's slots, in slot order.
-        payloads: payloads of those slots (``None``: a replica, ids only).
+        payloads: payloads of those slots.
         size: buffer size (rows).
         key: 64-bit key of the buffer's counter-based generator.
-        read: ``(shard, row, stop) -> iterator of payloads of that shard from that row``;
-            ``None`` for a replica.
+        read: ``(shard, row, stop) -> iterator of payloads of that shard from that row``.
     """
 
     def __init__(
@@ -228,101 +230,68 @@ class DocFeed:
         pieces: list[Piece],
         state: WorkerState,
         buffer: list[int],
-        payloads: list[Any] | None,
+        payloads: list[Any],
         size: int,
         key: int,
-        read: Callable[[int, int, int], Iterator[Any]] | None = None,
+        read: Callable[[int, int, int], Iterator[Any]],
     ) -> None:
-        self.source = source
-        self.pieces = pieces
-        self.shard = state.shard
-        self.row = state.row
-        self.rows_read = state.rows_read
-        self.draws = state.draws
-        self.emitted = state.emitted
-        self.ids = list(buffer)
-        self.payloads = payloads if payloads is not None else [None] * len(buffer)
-        self.size = size
-        self.key = key
+        self.ids = IdFeed(source, pieces, state, buffer, size, key)
+        self._held = dict(zip(buffer, payloads, strict=True))
+        self._pieces = pieces
+        self._base = [int(source.offsets[f]) for f, _, _ in pieces]
+        self._shard = state.shard
+        self._row = state.row
+        self._rows_read = state.rows_read
         self._read = read
         self._rows: Iterator[Any] | None = None
+        self._queue: list[int] = []
+        self._next = 0
+        self._ahead = 1
         self._skip_empty()
 
     def _skip_empty(self) -> None:
-        # ``shard`` indexes the pieces; ``row`` is the next row of that piece's shard.
-        while self.shard < len(self.pieces):
-            _, start, stop = self.pieces[self.shard]
-            self.row = max(self.row, start)
-            if self.row < stop:
+        # ``_shard`` indexes the pieces; ``_row`` is the next row of that piece's shard.
+        while self._shard < len(self._pieces):
+            _, start, stop = self._pieces[self._shard]
+            self._row = max(self._row, start)
+            if self._row < stop:
                 return
-            self.shard += 1
-            self.row = 0
+            self._shard += 1
+            self._row = 0
             self._rows = None
 
-    def has_rows(self) -> bool:
-        return self.shard < len(self.pieces)
-
-    def exhausted(self) -> bool:
-        """No row left to read and nothing in the buffer."""
-        return not self.has_rows() and not self.ids
-
-    def _next_row(self) -> Loaded:
-        file, _, stop = self.pieces[self.shard]
-        sid = int(self.source.offsets[file]) + self.row
-        payload = None
-        if self._read is not None:
+    def _read_until(self, rows_read: int) -> None:
+        """Read (and transform) rows in order until ``rows_read`` rows were read."""
+        while self._rows_read < rows_read:
+            file, _, stop = self._pieces[self._shard]
             if self._rows is None:
-                self._rows = self._read(file, self.row, stop)
-            payload = next(self._rows)
-        self.row += 1
-        self.rows_read += 1
-        self._skip_empty()
-        return sid, payload
+                self._rows = self._read(file, self._row, stop)
+            self._held[self._base[self._shard] + self._row] = next(self._rows)
+            self._row += 1
+            self._rows_read += 1
+            self._skip_empty()
 
-    def _draw(self, n: int) -> int:
-        j = _mix_scalar((self.key + self.draws * _GOLDEN) & _M64) % n
-        self.draws += 1
-        return j
+    def next(self, wanted: int = 0) -> Loaded | None:
+        """The next sample of the shuffled stream, or ``None`` at the end of the epoch.
 
-    def next(self) -> Loaded | None:
-        """The next sample of the shuffled stream, or ``None`` at the end of the epoch."""
-        if self.size == 0:
-            if not self.has_rows():
+        Args:
+            wanted: how many samples the caller will ask for at least (0: unknown).
+        """
+        if self._next == len(self._queue):
+            count = min(max(wanted, self._ahead), _AHEAD)
+            self._ahead = min(2 * self._ahead, _AHEAD)
+            self._queue = self.ids.take(count).tolist()
+            self._next = 0
+            if not self._queue:
                 return None
-            self.emitted += 1
-            return self._next_row()
-        while len(self.ids) < self.size and self.has_rows():
-            sid, payload = self._next_row()
-            self.ids.append(sid)
-            self.payloads.append(payload)
-        if not self.ids:
-            return None
-        j = self._draw(len(self.ids))
-        out = (self.ids[j], self.payloads[j])
-        if self.has_rows():
-            self.ids[j], self.payloads[j] = self._next_row()
-        else:  # drain: remove slot j, keep the others in order of their slots
-            self.ids[j], self.payloads[j] = self.ids[-1], self.payloads[-1]
-            self.ids.pop()
-            self.payloads.pop()
-        self.emitted += 1
-        return out
+            self._read_until(self.ids.rows_read)
+        sid = self._queue[self._next]
+        self._next += 1
+        return sid, self._held.pop(sid)
 
-    def state(
-        self, worker: int, doc: tuple[int, int, int] | None, tails: list[Tail]
-    ) -> WorkerState:
-        """The worker's state now; ``doc`` is the packer's ``(sample id, offset, length)``."""
-        d = doc if doc is not None else (-1, 0, 0)
-        return WorkerState(
-            worker,
-            self.shard,
-            self.row,
-            self.rows_read,
-            self.draws,
-            self.emitted,
-            *d,
-            tails=tuple(tails),
-        )
+
+_AHEAD = 64
+"""Sample ids a worker's :class:`Feed` takes from its id stream at once."""
 
 
 def buffer_key(seed: int, epoch: int, rank: int, worker: int) -> int:
@@ -392,7 +361,7 @@ class WorkerRun:
         self.per_sample_rng = per_sample_rng
         source = stream.source
         payloads = [self._load(s, r) for s, r in zip(buffer, source.read(buffer), strict=True)]
-        self.feed = DocFeed(
+        self.feed = Feed(
             source,
             plan.pieces(rank, worker),
             state,
@@ -446,7 +415,7 @@ class WorkerRun:
         items: list[Any] = []
         draws: list[str | None] = []
         while len(items) < self.batch_size:
-            nxt = self.feed.next()
+            nxt = self.feed.next(self.batch_size - len(items))
             if nxt is None:
                 break
             ids.append(nxt[0])

@@ -1,0 +1,309 @@
+"""A logical worker's shuffled stream of sample ids, computed a chunk at a time.
+
+A logical worker's stream of sample ids is a pure function of its plan (the row ranges
+it reads), its cursor and its shuffle buffer: every shuffle draw comes from a
+counter-based generator (the SplitMix64 finaliser, :func:`ledger.order._mix`, of
+``key + draws * golden``). :class:`IdFeed` computes the next ``k`` ids in a handful of
+numpy operations; the workers (:class:`ledger.stream.pipeline.Feed`) and the main
+process's replicas (:mod:`ledger.stream.replica`) both run it.
+
+The shuffle buffer is the reservoir-style buffer of ``tf.data.Dataset.shuffle``: fill
+to ``size`` slots; then each output is the slot ``j = draw % size``, refilled with the
+next row; once the rows run out, slot ``j`` of the ``n`` left is output and the last
+slot moves into it. ``tests/test_replica.py`` holds the sample-at-a-time definition and
+checks that :class:`IdFeed` equals it step for step.
+
+In the steady state the slot sequence ``j_0, j_1, ...`` is known in advance, so step
+``t`` outputs the row written to slot ``j_t`` by the latest earlier step with the same
+slot, or the slot's content before the chunk: a stable (radix) sort of the slots gives
+every step its predecessor at once, with no Python loop. The drain at the end of an
+epoch (at most ``size`` steps per worker) runs step by step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ledger.commits import WorkerState
+from ledger.order import _GOLDEN, _mix
+from ledger.stream.source import ShardedSource
+
+Piece = tuple[int, int, int]  # (shard, first row, row after the last)
+
+
+_CHUNK = 4096
+"""Steps of a worker's stream computed at once (outputs and the cursor after each)."""
+
+
+class IdFeed:
+    """The sample ids one logical worker hands on, computed a chunk of steps at a time.
+
+    Produces exactly what the sample-at-a-time definition would, call after
+    call, from the same pieces, state and buffer. The next :data:`_CHUNK` steps are
+    computed at once (outputs, and the cursor after each step); :meth:`take` slices them,
+    so a batch costs a few array slices. The buffer's contents at a step inside a chunk
+    are rebuilt only when asked for (:meth:`buffer`, at a commit).
+
+    Args:
+        source: the rows (their counts and global offsets).
+        pieces: the worker's row ranges ``(shard, start, stop)`` in reading order.
+        state: where the worker stands.
+        buffer: sample ids in the buffer's slots, in slot order.
+        size: buffer size (rows); 0: no buffer.
+        key: 64-bit key of the buffer's counter-based generator.
+    """
+
+    def __init__(
+        self,
+        source: ShardedSource,
+        pieces: list[Piece],
+        state: WorkerState,
+        buffer: list[int],
+        size: int,
+        key: int,
+    ) -> None:
+        self.pieces = pieces
+        self._base = [int(source.offsets[f]) for f, _, _ in pieces]
+        # The state at the start of the current chunk (before its fill, if any).
+        self._shard = state.shard
+        self._row = state.row
+        self._rows_read = state.rows_read
+        self._draws = state.draws
+        self._emitted = state.emitted
+        self._buf = np.asarray(buffer, np.int64).copy()
+        self.size = size
+        self.key = np.uint64(key)
+        self._skip_empty()
+        # The current chunk: outputs, and per step the cursor and rows read after it.
+        self._t = 0
+        self._out = np.zeros(0, np.int64)
+        self._shard_after = self._row_after = self._read_after = self._out
+        self._rebuild: tuple[str, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._end_buf = self._buf
+
+    # ------------------------------------------------------------------ state
+
+    def _at(self, arr: np.ndarray, scalar: int) -> int:
+        return int(arr[self._t - 1]) if self._t else scalar
+
+    @property
+    def shard(self) -> int:
+        return self._at(self._shard_after, self._shard)
+
+    @property
+    def row(self) -> int:
+        return self._at(self._row_after, self._row)
+
+    @property
+    def rows_read(self) -> int:
+        return self._at(self._read_after, self._rows_read)
+
+    @property
+    def draws(self) -> int:
+        return self._draws + (self._t if self.size else 0)
+
+    @property
+    def emitted(self) -> int:
+        return self._emitted + self._t
+
+    def buffer(self) -> list[int]:
+        """Sample ids in the buffer's slots now, in slot order."""
+        if self._t == 0 or self._rebuild is None:
+            return (self._end_buf if self._t == len(self._out) else self._buf).tolist()
+        if self._t == len(self._out):
+            return self._end_buf.tolist()
+        kind, start, slots, rows = self._rebuild
+        t = self._t
+        if kind == "steady":
+            buf = start.copy()
+            _write_last(buf, slots[:t], rows[:t])
+            return buf.tolist()
+        ids = start.tolist()  # drain: replay the first t steps
+        for j in slots[:t].tolist():
+            ids[j] = ids[-1]
+            ids.pop()
+        return ids
+
+    def exhausted(self) -> bool:
+        """No row left to read and nothing in the buffer."""
+        if self._t < len(self._out):
+            return False
+        return self._end_shard() >= len(self.pieces) and self._end_buf.size == 0
+
+    def _end_shard(self) -> int:
+        return int(self._shard_after[-1]) if len(self._out) else self._shard
+
+    # ------------------------------------------------------------------ rows
+
+    def _skip_empty(self) -> None:
+        while self._shard < len(self.pieces):
+            _, start, stop = self.pieces[self._shard]
+            self._row = max(self._row, start)
+            if self._row < stop:
+                return
+            self._shard += 1
+            self._row = 0
+
+    def _rows(self, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The next ``m`` (or fewer) rows' sample ids, and the cursor after each row."""
+        ids: list[np.ndarray] = []
+        shards: list[np.ndarray] = []
+        rows: list[np.ndarray] = []
+        got = 0
+        while got < m and self._shard < len(self.pieces):
+            p = self._shard
+            _, _, stop = self.pieces[p]
+            take = min(m - got, stop - self._row)
+            first = self._row
+            ids.append(np.arange(first, first + take, dtype=np.int64) + self._base[p])
+            after_rows = np.arange(first + 1, first + take + 1, dtype=np.int64)
+            after_shards = np.full(take, p, np.int64)
+            got += take
+            self._row += take
+            self._rows_read += take
+            self._skip_empty()
+            after_shards[-1], after_rows[-1] = self._shard, self._row
+            shards.append(after_shards)
+            rows.append(after_rows)
+        if not ids:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty
+        return np.concatenate(ids), np.concatenate(shards), np.concatenate(rows)
+
+    def _has_rows(self) -> bool:
+        return self._shard < len(self.pieces)
+
+    # ------------------------------------------------------------------ chunks
+
+    def _roll(self) -> None:
+        """Make the end of the current chunk the start of the next."""
+        if len(self._out):
+            self._shard = int(self._shard_after[-1])
+            self._row = int(self._row_after[-1])
+            self._rows_read = int(self._read_after[-1])
+            self._draws = self.draws
+            self._emitted = self.emitted
+            self._buf = self._end_buf
+        self._t = 0
+        self._out = np.zeros(0, np.int64)
+        self._shard_after = self._row_after = self._read_after = self._out
+        self._rebuild = None
+        self._end_buf = self._buf
+
+    def _next_chunk(self) -> bool:
+        """Compute the next chunk of steps; ``False`` at the end of the epoch."""
+        self._roll()
+        # The cursor moves from here on; the chunk-start state stays in the scalars.
+        shard, row, read = self._shard, self._row, self._rows_read
+        try:
+            if self.size == 0:
+                out, shards, rows = self._rows(_CHUNK)
+                self._set(out, shards, rows, np.arange(1, out.size + 1) + read, self._buf)
+                return out.size > 0
+            buf = self._buf
+            if buf.size < self.size and self._has_rows():  # the fill before the next draw
+                fill, _, _ = self._rows(self.size - buf.size)
+                buf = np.concatenate([buf, fill])
+            if buf.size == 0:
+                return False
+            if self._has_rows():
+                self._steady(buf)
+            else:
+                self._drain(buf)
+            return True
+        finally:
+            self._shard, self._row, self._rows_read = shard, row, read
+
+    def _set(
+        self,
+        out: np.ndarray,
+        shards: np.ndarray,
+        rows: np.ndarray,
+        read: np.ndarray,
+        end_buf: np.ndarray,
+    ) -> None:
+        self._out, self._shard_after, self._row_after, self._read_after = out, shards, rows, read
+        self._end_buf = end_buf
+
+    def _steady(self, buf: np.ndarray) -> None:
+        """Steps that each output a slot and refill it with the next row."""
+        read0 = self._rows_read
+        rows, shards, cursor = self._rows(_CHUNK)  # one replacement row per step
+        t = rows.size
+        counters = np.arange(self._draws, self._draws + t, dtype=np.uint64)
+        slots = (_mix(self.key + counters * np.uint64(_GOLDEN)) % np.uint64(buf.size)).astype(
+            np.int64
+        )
+        order = _by_slot(slots)  # by slot, then step
+        by_slot = slots[order]
+        first = np.ones(t, bool)
+        first[1:] = by_slot[1:] != by_slot[:-1]
+        # Each step outputs the row the previous step on its slot wrote, or the slot's
+        # content before the chunk.
+        prev_rows = np.empty(t, np.int64)
+        prev_rows[1:] = rows[order[:-1]]
+        out = np.empty(t, np.int64)
+        out[order] = np.where(first, buf[by_slot], prev_rows)
+        end = buf.copy()
+        _write_last(end, slots, rows)
+        read = read0 + np.arange(1, t + 1, dtype=np.int64)
+        self._set(out, shards, cursor, read, end)
+        self._rebuild = ("steady", buf, slots, rows)
+
+    def _drain(self, buf: np.ndarray) -> None:
+        """The drain: no row left, the buffer shrinks by one each step."""
+        ids = buf.tolist()
+        t = len(ids)
+        counters = np.arange(self._draws, self._draws + t, dtype=np.uint64)
+        out, slots = [], []
+        for z in _mix(self.key + counters * np.uint64(_GOLDEN)).tolist():
+            j = z % len(ids)
+            slots.append(j)
+            out.append(ids[j])
+            ids[j] = ids[-1]
+            ids.pop()
+        same = np.full(t, 1, np.int64)
+        self._set(
+            np.asarray(out, np.int64),
+            same * self._shard,
+            same * self._row,
+            same * self._rows_read,
+            np.zeros(0, np.int64),
+        )
+        self._rebuild = ("drain", buf, np.asarray(slots, np.int64), np.zeros(0, np.int64))
+
+    # ------------------------------------------------------------------ the stream
+
+    def take(self, k: int) -> np.ndarray:
+        """The next ``k`` sample ids (fewer at the end of the epoch), ``int64 (<= k,)``."""
+        parts: list[np.ndarray] = []
+        got = 0
+        while got < k:
+            if self._t == len(self._out) and not self._next_chunk():
+                break
+            n = min(k - got, len(self._out) - self._t)
+            parts.append(self._out[self._t : self._t + n])
+            self._t += n
+            got += n
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _by_slot(slots: np.ndarray) -> np.ndarray:
+    """Stable argsort of slot numbers: numpy's stable sort is a radix sort (O(n)) for
+    16-bit keys, which buffers up to 65,536 slots fit."""
+    if slots.size and int(slots.max()) < 1 << 16:
+        return np.argsort(slots.astype(np.uint16), kind="stable")
+    return np.argsort(slots, kind="stable")
+
+
+def _write_last(buf: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
+    """``buf[slots[i]] = rows[i]`` in step order: the last write to a slot wins."""
+    if slots.size == 0:
+        return
+    order = _by_slot(slots)
+    by_slot = slots[order]
+    last = np.ones(slots.size, bool)
+    last[:-1] = by_slot[1:] != by_slot[:-1]
+    buf[by_slot[last]] = rows[order[last]]
