@@ -54,13 +54,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import bench_stream
+import numpy as np
 import torch
 import torch.utils.data as tud
 from rich.console import Console
 from rich.table import Table
-
-import bench_stream
-import numpy as np
 
 import ledger
 from ledger.digest import digest_bytes
