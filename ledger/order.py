@@ -24,12 +24,11 @@ order works for N up to 2**62 (N = 10**10 included).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -269,26 +268,35 @@ class _NumpyState:
 _numpy_state: _NumpyState | None = None
 
 
-@contextlib.contextmanager
-def rngs_preserved(active: bool = True) -> Iterator[None]:
+class rngs_preserved:  # lower case: called like the function it replaced
     """Restore the global torch, numpy and ``random`` RNG states on exit (if ``active``).
 
     Seeding in the main process (``num_workers=0``) would otherwise clobber the training
     loop's RNGs (dropout, ...). Costs about 25 µs (``random.getstate``/``setstate``
-    dominate); numpy's state is copied as raw bytes (:class:`_NumpyState`).
+    dominate); numpy's state is copied as raw bytes (:class:`_NumpyState`). A class
+    rather than ``contextlib.contextmanager``: it runs once per batch.
     """
-    global _numpy_state
-    if not active:
-        yield
-        return
-    if _numpy_state is None or _numpy_state._owner is not np.random.mtrand._rand._bit_generator:
-        _numpy_state = _NumpyState()
-    generator = torch.default_generator
-    saved = (generator.get_state(), _numpy_state.save(), random.getstate())
-    try:
-        yield
-    finally:
-        generator.set_state(saved[0])
+
+    __slots__ = ("_active", "_saved")
+
+    def __init__(self, active: bool = True) -> None:
+        self._active = active
+        self._saved: tuple[Any, bytes, Any] | None = None
+
+    def __enter__(self) -> None:
+        global _numpy_state
+        if not self._active:
+            return
+        bitgen = np.random.mtrand._rand._bit_generator
+        if _numpy_state is None or _numpy_state._owner is not bitgen:
+            _numpy_state = _NumpyState()
+        self._saved = (torch.default_generator.get_state(), _numpy_state.save(), random.getstate())
+
+    def __exit__(self, *exc: object) -> None:
+        saved = self._saved
+        if saved is None or _numpy_state is None:
+            return
+        torch.default_generator.set_state(saved[0])
         _numpy_state.restore(saved[1])
         random.setstate(saved[2])
 
