@@ -148,7 +148,34 @@ def _only_ledger_errors(call: Any) -> None:
 def test_fuzz_commit_marker(data: bytes) -> None:
     store = _scratch()
     Path(store.path, MARKER).write_bytes(data)
-    _only_ledger_errors(lambda: read_commit(store, "000000000004-0000"))
+    Path(store.path, RANKS).write_bytes(_original(RANKS))
+
+    def read() -> None:
+        commit = read_commit(store, "000000000004-0000")
+        list(commit.states), list(commit.segments)
+
+    _only_ledger_errors(read)
+
+
+RANKS = "commits/000000000004-0000.ranks"
+
+
+@FUZZ
+@given(
+    data=st.one_of(
+        st.binary(max_size=64), st.just(b"").flatmap(lambda _: mutated(_original(RANKS)))
+    )
+)
+def test_fuzz_rank_table(data: bytes) -> None:
+    store = _scratch()
+    Path(store.path, MARKER).write_bytes(_original(MARKER))
+    Path(store.path, RANKS).write_bytes(data)
+
+    def read() -> None:
+        commit = read_commit(store, "000000000004-0000")
+        list(commit.states), list(commit.segments)  # the table is decoded lazily
+
+    _only_ledger_errors(read)
 
 
 @FUZZ
@@ -188,12 +215,11 @@ def test_fuzz_segment(data: bytes) -> None:
 
     # No checksum: the Parquet reader itself meets the damage.
     _only_ledger_errors(lambda: segments.read(store, SEGMENT))
-    with pytest.raises(LogCorrupted):  # with the marker's checksum, damage is always caught
-        marker = json.loads(_original(MARKER))
-        ref = marker["segments"][0]
-        if data == _original(SEGMENT):
-            raise LogCorrupted("unchanged")
-        open_segment(store, SEGMENT, rows=ref["rows"], checksum=ref["sha256"])
+    ref = read_commit(Store(_log()), "000000000004-0000").segments[0]
+    assert ref.path == SEGMENT
+    if data != _original(SEGMENT):  # with the marker's checksum, damage is always caught
+        with pytest.raises(LogCorrupted):
+            open_segment(store, SEGMENT, rows=ref.rows, checksum=ref.sha256)
 
 
 def _token() -> dict[str, Any]:
