@@ -40,7 +40,7 @@ from ledger.order import (
     sample_seed,
     seed_globals,
 )
-from ledger.stream.shuffle import IdFeed, Piece
+from ledger.stream.shuffle import IdFeed, Piece, skip_empty
 from ledger.stream.source import ShardedSource
 
 
@@ -250,15 +250,9 @@ class Feed:
         self._skip_empty()
 
     def _skip_empty(self) -> None:
-        # ``_shard`` indexes the pieces; ``_row`` is the next row of that piece's shard.
-        while self._shard < len(self._pieces):
-            _, start, stop = self._pieces[self._shard]
-            self._row = max(self._row, start)
-            if self._row < stop:
-                return
-            self._shard += 1
-            self._row = 0
-            self._rows = None
+        shard, self._row = skip_empty(self._pieces, self._shard, self._row)
+        if shard != self._shard:
+            self._shard, self._rows = shard, None
 
     def _read_until(self, rows_read: int) -> None:
         """Read (and transform) rows in order until ``rows_read`` rows were read."""

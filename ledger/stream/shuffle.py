@@ -31,6 +31,22 @@ from ledger.stream.source import ShardedSource
 Piece = tuple[int, int, int]  # (shard, first row, row after the last)
 
 
+def skip_empty(pieces: list[Piece], shard: int, row: int) -> tuple[int, int]:
+    """The reading cursor ``(piece index, row)`` moved past pieces with no row left.
+
+    ``shard`` indexes ``pieces``; ``row`` is the next row of that piece's shard
+    (``(len(pieces), 0)`` once every piece is read).
+    """
+    while shard < len(pieces):
+        _, start, stop = pieces[shard]
+        row = max(row, start)
+        if row < stop:
+            break
+        shard += 1
+        row = 0
+    return shard, row
+
+
 _CHUNK = 4096
 """Steps of a worker's stream computed at once (outputs and the cursor after each)."""
 
@@ -136,13 +152,7 @@ class IdFeed:
     # ------------------------------------------------------------------ rows
 
     def _skip_empty(self) -> None:
-        while self._shard < len(self.pieces):
-            _, start, stop = self.pieces[self._shard]
-            self._row = max(self._row, start)
-            if self._row < stop:
-                return
-            self._shard += 1
-            self._row = 0
+        self._shard, self._row = skip_empty(self.pieces, self._shard, self._row)
 
     def _rows(self, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The next ``m`` (or fewer) rows' sample ids, and the cursor after each row."""
