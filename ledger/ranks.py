@@ -312,8 +312,10 @@ def decode(data: bytes, shape: tuple[int, int], attempt: int, where: str) -> Ran
             ``where``).
     """
     w, width = shape
-    if w < 0 or width < _HEAD:
-        raise LogCorrupted(f"{where}: a rank table of shape {shape} cannot exist")
+    # A shape claiming far more than the bytes could hold is refused before anything is
+    # allocated (zstd of these tables stays well under 2^14:1 beyond 64 MB).
+    if w < 0 or width < _HEAD or w * width * 8 > max(1 << 26, len(data) << 14):
+        raise LogCorrupted(f"{where}: a rank table of shape {shape} cannot hold {len(data)} bytes")
     try:
         raw = pa.Codec("zstd").decompress(data, decompressed_size=w * width * 8, asbytes=True)
     except (pa.ArrowException, ValueError) as e:
