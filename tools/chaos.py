@@ -251,17 +251,22 @@ def _runs(out: str, rank: int, n: int) -> list[list[dict[str, Any]]]:
     return runs
 
 
-def _effective(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def _effective(runs: list[list[dict[str, Any]]], starts: list[int | None]) -> list[dict[str, Any]]:
     """What the training loop of the surviving lineage received: each run's batches from
-    its start up to where the next run resumed."""
+    its start up to where the next run resumed (``starts``: each run's start step, from
+    rank 0, which every run has; a rank absent from the next run, after an elastic change,
+    is cut there too)."""
     got: list[dict[str, Any]] = []
     for k, recs in enumerate(runs):
-        if not recs:
-            continue
         batches = [r for r in recs if "step" in r]
-        nxt = next((r[0]["start"] for r in runs[k + 1 :] if r), None)
+        nxt = next((s for s in starts[k + 1 :] if s is not None), None)
         got += [b for b in batches if nxt is None or b["step"] < nxt]
     return got
+
+
+def _starts(out: str, n: int) -> list[int | None]:
+    """Each run's start step, from rank 0's file (``None``: killed before it began)."""
+    return [next((r["start"] for r in recs if "start" in r), None) for recs in _runs(out, 0, n)]
 
 
 def reference(scenario: str, workdir: str, timeout: float) -> tuple[dict[int, list], float]:
@@ -277,7 +282,7 @@ def reference(scenario: str, workdir: str, timeout: float) -> tuple[dict[int, li
     if done.returncode != 0:
         raise SystemExit(f"the reference run of {scenario} failed:\n{done.stderr.decode()[-2000:]}")
     ranks = 2 if scenario in ("torchrun", "elastic") else 1
-    return {r: _effective(_runs(out, r, 1)) for r in range(ranks)}, took
+    return {r: _effective(_runs(out, r, 1), [0]) for r in range(ranks)}, took
 
 
 def run_trial(trial: Trial, ref: dict[int, list], took: float, workdir: str, rng: Any,
@@ -337,7 +342,7 @@ def _compare(
 ) -> tuple[str, str]:
     if scenario != "elastic":
         for rank, want in ref.items():
-            got = _effective(_runs(out, rank, runs))
+            got = _effective(_runs(out, rank, runs), _starts(out, runs))
             if [b["ids"] for b in got] != [b["ids"] for b in want]:
                 first = next(
                     (
@@ -355,7 +360,7 @@ def _compare(
     # Elastic: the order changes with the shape; the set per epoch must not.
     per_epoch: dict[int, Counter[int]] = defaultdict(Counter)
     for rank in (0, 1):
-        for b in _effective(_runs(out, rank, runs)):
+        for b in _effective(_runs(out, rank, runs), _starts(out, runs)):
             per_epoch[b["epoch"]].update(b["ids"])
     dup = {e: [i for i, n in c.items() if n > 1] for e, c in per_epoch.items()}
     if any(dup.values()):
