@@ -77,7 +77,7 @@ def _segment(args: tuple[str, int, int, int, int]) -> tuple[int, SegmentRef]:
     for i, step in enumerate(g.tolist()):
         epoch, k = int(epochs[i]), int(ks[i])
         chunks.append(EventChunk(SAMPLE, epoch, step, rank % 2, int(starts[i]), ids[i]))
-        chunks.append(batch_event(epoch, step, rank % 2, int(starts[i]), rng.bytes(32).hex()))
+        chunks.append(batch_event(epoch, step, rank % 2, int(starts[i]), rng.bytes(32)))
         if rank == 0 and k == steps - 1:
             tail = np.arange(steps * WORLD * BATCH, N, dtype=np.int64)
             order = EpochOrder(N, seed, epoch, True)
