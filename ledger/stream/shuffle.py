@@ -255,7 +255,10 @@ class IdFeed:
         out = np.empty(t, np.int64)
         out[order] = np.where(first, buf[by_slot], prev_rows)
         end = buf.copy()
-        _write_last(end, slots, rows)
+        last = np.empty(t, bool)  # the last step on each slot: its row stays
+        last[:-1] = first[1:]
+        last[-1:] = True
+        end[by_slot[last]] = rows[order[last]]
         read = read0 + np.arange(1, t + 1, dtype=np.int64)
         self._set(out, shards, cursor, read, end)
         self._rebuild = ("steady", buf, slots, rows)
