@@ -22,6 +22,7 @@ row; at the end of the stream the remaining slots are drawn without replacement)
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -76,12 +77,13 @@ class SampleContext:
         draws: values recorded with :meth:`record` (logged with the sample).
     """
 
-    __slots__ = ("_rng", "_seed", "draws", "epoch", "sample_id")
+    __slots__ = ("_rng", "_run_seed", "_seed", "draws", "epoch", "sample_id")
 
-    def __init__(self, sample_id: int, epoch: int, seed: int) -> None:
+    def __init__(self, sample_id: int, epoch: int, seed: int | None, *, run_seed: int = 0) -> None:
         self.sample_id = sample_id
         self.epoch = epoch
-        self._seed = seed
+        self._seed = seed  # None: derived from run_seed when first asked for
+        self._run_seed = run_seed
         self._rng: np.random.Generator | None = None
         self.draws: dict[str, Any] = {}
 
@@ -89,6 +91,8 @@ class SampleContext:
     def rng(self) -> np.random.Generator:
         """A numpy ``Generator`` (PCG64) seeded from ``(seed, epoch, sample id)``."""
         if self._rng is None:
+            if self._seed is None:
+                self._seed = sample_seed(self._run_seed, self.epoch, self.sample_id)
             self._rng = np.random.Generator(np.random.PCG64(self._seed))
         return self._rng
 
@@ -256,13 +260,17 @@ class Feed:
 
     def _read_until(self, rows_read: int) -> None:
         """Read (and transform) rows in order until ``rows_read`` rows were read."""
+        held = self._held
         while self._rows_read < rows_read:
             file, _, stop = self._pieces[self._shard]
             if self._rows is None:
                 self._rows = self._read(file, self._row, stop)
-            self._held[self._base[self._shard] + self._row] = next(self._rows)
-            self._row += 1
-            self._rows_read += 1
+            n = min(stop - self._row, rows_read - self._rows_read)
+            base = self._base[self._shard] + self._row
+            for i, payload in enumerate(itertools.islice(self._rows, n)):
+                held[base + i] = payload
+            self._row += n
+            self._rows_read += n
             self._skip_empty()
 
     def next(self, wanted: int = 0) -> Loaded | None:
@@ -488,10 +496,12 @@ def load_sample(
     with ``per_sample_rng`` torch, numpy and ``random`` are seeded from it too. A packed
     stream's item is its tokens (``int64 (length,)``) with the EOS token appended.
     """
-    s = sample_seed(seed, epoch, sid)
     if per_sample_rng:
+        s = sample_seed(seed, epoch, sid)
         seed_globals(s)
-    ctx = SampleContext(sid, epoch, s)
+        ctx = SampleContext(sid, epoch, s)
+    else:  # the seed is derived only if the transform asks for ctx.rng
+        ctx = SampleContext(sid, epoch, None, run_seed=seed)
     item = stream.transform(record, ctx) if stream.transform else record
     if stream.packer is not None:
         tokens = np.asarray(item, dtype=np.int64).reshape(-1)
