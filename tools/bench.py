@@ -37,7 +37,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -62,8 +61,10 @@ from rich.console import Console
 from rich.table import Table
 
 import ledger
+from ledger.commits import list_commits
 from ledger.digest import digest_bytes
 from ledger.schema import SAMPLE, EventChunk
+from ledger.store import Store
 
 try:  # optional: torchdata's StatefulDataLoader is the closest resumable baseline
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -355,9 +356,9 @@ def bytes_per_event(cfg: Config, roots: Roots, digest: bool = True) -> dict[str,
         if i % cfg.commit_every == 0:
             loader.state_dict()
     loader.state_dict()
-    markers = sorted((root / "commits").glob("*.json"))
+    markers = list_commits(Store(str(root)))
     # Count events from the markers: what history holds, not what the loader meant to write.
-    events = sum(s["rows"] for m in markers for s in json.loads(m.read_text())["segments"])
+    events = sum(s.rows for m in markers for s in m.segments)
     sizes = {
         "events/": _tree_bytes(root / "events"),
         "commits/": _tree_bytes(root / "commits"),
