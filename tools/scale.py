@@ -80,7 +80,7 @@ def loader(root: str, batch: int, rank: int = 0, world: int = 1) -> ledger.DataL
         shuffle=True,
         seed=SEED,
         log=root,
-        per_sample_rng=False,
+        rng="off",
         rank=rank,
         world_size=world,
     )
