@@ -52,17 +52,33 @@ def digest_bytes(batch: Any) -> bytes:
     return h.digest()
 
 
+_TENSOR_HEADERS: dict[tuple[torch.dtype, torch.Size], bytes] = {}
+
+
+def _tensor_header(t: torch.Tensor) -> bytes:
+    key = (t.dtype, t.shape)
+    header = _TENSOR_HEADERS.get(key)
+    if header is None:
+        header = f"T{t.dtype}{tuple(t.shape)}".encode()
+        if len(_TENSOR_HEADERS) < 4096:  # batches have few shapes; bound it anyway
+            _TENSOR_HEADERS[key] = header
+    return header
+
+
 def _update(h: Any, x: Any) -> None:
     if isinstance(x, torch.Tensor):
-        t = x.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        try:  # the same bytes either way; the first costs fewer torch calls
-            a = np.ascontiguousarray(t.numpy())
-        except TypeError:  # a dtype numpy lacks (bfloat16, float8...)
-            a = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-        h.update(a.reshape(-1).view(np.uint8).data)
+        h.update(_tensor_header(x))
+        try:  # the common case: a CPU tensor numpy can view (no grad, a numpy dtype)
+            a = x.numpy()
+        except (TypeError, RuntimeError):
+            t = x.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            try:  # the same bytes either way; the first costs fewer torch calls
+                a = t.resolve_conj().resolve_neg().numpy()
+            except TypeError:  # a dtype numpy lacks (bfloat16, float8...)
+                a = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
     elif isinstance(x, (np.ndarray, np.generic)):
         a = np.ascontiguousarray(x)
         if a.dtype.hasobject:

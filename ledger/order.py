@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import platform
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,7 +221,16 @@ def batch_seed(seed: int, epoch: int, position: int) -> int:
     Returns:
         An int in ``[0, 2**63)``.
     """
-    return derive_key(seed, epoch, position, 0xBA7C) & SEED_MASK
+    h = _epoch_prefix(seed, epoch)
+    for p in (position, 0xBA7C):
+        h = _mix_scalar((h + _GOLDEN + (p & _M64)) & _M64)
+    return h & SEED_MASK  # = derive_key(seed, epoch, position, 0xBA7C) & SEED_MASK
+
+
+@functools.lru_cache(maxsize=64)
+def _epoch_prefix(seed: int, epoch: int) -> int:
+    """``derive_key(seed, epoch)``: the hash state every batch seed of an epoch starts from."""
+    return derive_key(seed, epoch)
 
 
 def seed_globals(seed: int) -> None:
@@ -268,12 +278,60 @@ class _NumpyState:
 _numpy_state: _NumpyState | None = None
 
 
+class _RandomState:
+    """Save and restore the state of the ``random`` module's generator as raw bytes.
+
+    ``random.getstate``/``setstate`` build and parse a tuple of 625 Python ints (~25 µs
+    the pair); this copies CPython's ``RandomObject`` fields after the object header
+    (``int index; uint32_t state[624]``, ``Modules/_randommodule.c``) with one
+    ``memmove`` each way, plus the Python-level ``gauss_next``. The layout is checked
+    against ``getstate()`` when the object is created: :func:`random_state` returns
+    ``None`` where it does not hold (another interpreter, another CPython layout), and
+    the caller falls back to ``getstate``/``setstate``.
+    """
+
+    _SIZE = 4 + 624 * 4
+
+    def __init__(self, generator: random.Random) -> None:
+        self._owner = generator
+        self._address = id(generator) + object.__basicsize__
+
+    def save(self) -> tuple[bytes, Any]:
+        return ctypes.string_at(self._address, self._SIZE), self._owner.gauss_next
+
+    def restore(self, saved: tuple[bytes, Any]) -> None:
+        ctypes.memmove(self._address, saved[0], self._SIZE)
+        self._owner.gauss_next = saved[1]
+
+    def matches(self) -> bool:
+        """Whether the raw bytes decode to what ``getstate()`` says (the layout holds)."""
+        raw = np.frombuffer(ctypes.string_at(self._address, self._SIZE), np.uint32)
+        version, words, _ = self._owner.getstate()
+        return version == 3 and len(words) == 625 and (*raw[1:].tolist(), int(raw[0])) == words
+
+
+_random_state: _RandomState | None = None
+_random_checked: tuple[int, bool] | None = None  # (id of the generator, layout holds)
+
+
+def random_state() -> _RandomState | None:
+    """The raw-bytes saver of ``random``'s module generator, or ``None`` if its memory
+    layout is not the one :class:`_RandomState` knows (checked once per generator)."""
+    global _random_state, _random_checked
+    generator = random._inst  # type: ignore[attr-defined]  # the module functions' instance
+    if _random_checked is None or _random_checked[0] != id(generator):
+        saver = _RandomState(generator)
+        ok = platform.python_implementation() == "CPython" and saver.matches()
+        _random_state, _random_checked = (saver if ok else None), (id(generator), ok)
+    return _random_state
+
+
 class rngs_preserved:  # lower case: called like the function it replaced
     """Restore the global torch, numpy and ``random`` RNG states on exit (if ``active``).
 
     Seeding in the main process (``num_workers=0``) would otherwise clobber the training
-    loop's RNGs (dropout, ...). Costs about 25 µs (``random.getstate``/``setstate``
-    dominate); numpy's state is copied as raw bytes (:class:`_NumpyState`). A class
+    loop's RNGs (dropout, ...). numpy's and ``random``'s states are copied as raw bytes
+    (:class:`_NumpyState`, :class:`_RandomState`): about 8 µs the pair of calls. A class
     rather than ``contextlib.contextmanager``: it runs once per batch.
     """
 
@@ -281,7 +339,7 @@ class rngs_preserved:  # lower case: called like the function it replaced
 
     def __init__(self, active: bool = True) -> None:
         self._active = active
-        self._saved: tuple[Any, bytes, Any] | None = None
+        self._saved: tuple[Any, bytes, Any, _RandomState | None] | None = None
 
     def __enter__(self) -> None:
         global _numpy_state
@@ -290,7 +348,13 @@ class rngs_preserved:  # lower case: called like the function it replaced
         bitgen = np.random.mtrand._rand._bit_generator
         if _numpy_state is None or _numpy_state._owner is not bitgen:
             _numpy_state = _NumpyState()
-        self._saved = (torch.default_generator.get_state(), _numpy_state.save(), random.getstate())
+        saver = random_state()
+        self._saved = (
+            torch.default_generator.get_state(),
+            _numpy_state.save(),
+            saver.save() if saver is not None else random.getstate(),
+            saver,
+        )
 
     def __exit__(self, *exc: object) -> None:
         saved = self._saved
@@ -298,7 +362,10 @@ class rngs_preserved:  # lower case: called like the function it replaced
             return
         torch.default_generator.set_state(saved[0])
         _numpy_state.restore(saved[1])
-        random.setstate(saved[2])
+        if saved[3] is not None:
+            saved[3].restore(saved[2])
+        else:
+            random.setstate(saved[2])
 
 
 @dataclass(frozen=True, slots=True)

@@ -169,24 +169,16 @@ def batch_event(epoch: int, batch: int, worker: int, position: int, digest: byte
 
 _NO_SAMPLE = np.array([-1], np.int64)
 _NO_SAMPLE.flags.writeable = False
-
-
-def _expand(chunks: list[EventChunk]) -> list[EventChunk]:
-    """Chunks with the digests of ``sample``/``span`` chunks split into ``batch`` chunks."""
-    out: list[EventChunk] = []
-    for c in chunks:
-        bare, digest = c.split_digest()
-        out.append(bare)
-        if digest is not None:
-            out.append(digest)
-    return out
+_KIND_INDEX = {kind: i for i, kind in enumerate(KINDS)}
 
 
 def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Table:
     """Concatenate event chunks into one Arrow table with :data:`EVENT_SCHEMA`.
 
-    Vectorised: one ``np.repeat`` per scalar column, no Python object per row (except
-    the optional ``values`` strings).
+    A ``sample``/``span`` chunk carrying a digest becomes its rows followed by one
+    ``batch`` row (:meth:`EventChunk.split_digest`). Vectorised: one tuple of scalars per
+    chunk, then whole-column numpy operations; no Python object per row (except the
+    optional ``values`` strings).
 
     Args:
         chunks: the chunks, in consumption order.
@@ -196,75 +188,124 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
     Returns:
         A table of ``sum(chunk.rows)`` rows.
     """
-    if any(c.digest is not None for c in chunks):
-        chunks = _expand(chunks)
-    counts = np.fromiter((c.rows for c in chunks), dtype=np.int64, count=len(chunks))
-    total = int(counts.sum())
-    starts = np.cumsum(counts) - counts  # each chunk's first row
-
-    def rep(values: list[int], dtype: type) -> np.ndarray:
-        return np.repeat(np.asarray(values, dtype=dtype), counts)
+    # kind, epoch, batch, worker, position, sample rows, has a batch row
+    meta = np.array(
+        [
+            (
+                _KIND_INDEX[c.kind],
+                c.epoch,
+                c.batch,
+                c.worker,
+                c.position,
+                c.sample_ids.shape[0],
+                c.digest is not None and c.kind != BATCH,
+            )
+            for c in chunks
+        ],
+        dtype=np.int64,
+    ).reshape(len(chunks), 7)
+    kind, epoch, batch, worker, position, n, extra = meta.T
+    rows = n + extra
+    total = int(rows.sum())
+    n_samples = int(n.sum())
+    first_row = np.cumsum(rows) - rows  # each chunk's first row
+    first_sample = np.cumsum(n) - n  # each chunk's first row among the sample rows
+    chunk_of = np.repeat(np.arange(len(chunks)), n)  # sample row -> chunk
+    offset = np.arange(n_samples, dtype=np.int64) - first_sample[chunk_of]
+    dest = first_row[chunk_of] + offset  # sample row -> row of the table
+    extra_chunks = np.flatnonzero(extra)
+    extra_rows = first_row[extra_chunks] + n[extra_chunks]  # the batch rows
 
     def cat(arrays: list[np.ndarray]) -> np.ndarray:
-        return np.concatenate(arrays).astype(np.int64, copy=False) if arrays else np.zeros(0)
+        if not arrays:
+            return np.zeros(0, np.int64)
+        return np.concatenate(arrays).astype(np.int64, copy=False)
+
+    def spread(sample_values: np.ndarray, batch_values: np.ndarray | int) -> np.ndarray:
+        """A column from its values on the sample rows and on the batch rows."""
+        if not extra_chunks.size:
+            return sample_values
+        out = np.empty(total, sample_values.dtype)
+        out[dest] = sample_values
+        out[extra_rows] = batch_values
+        return out
 
     if all(c.positions is None for c in chunks):
-        offsets = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-        positions = rep([c.position for c in chunks], np.int64) + offsets
+        sample_positions = position[chunk_of] + offset
     else:
-        positions = cat(
+        sample_positions = cat(
             [
-                c.positions if c.positions is not None else c.position + np.arange(c.rows)
+                c.positions
+                if c.positions is not None
+                else c.position + np.arange(c.sample_ids.shape[0])
                 for c in chunks
             ]
         )
+    # A batch row sits at its last sample's position (see batch_event).
+    last = first_sample[extra_chunks] + n[extra_chunks] - 1
+    batch_positions = np.where(
+        n[extra_chunks] > 0,
+        sample_positions[np.maximum(last, 0)] if n_samples else 0,
+        position[extra_chunks],
+    )
+
+    def per_row(values: np.ndarray, dtype: type) -> pa.Array:
+        return pa.array(np.repeat(values, rows).astype(dtype, copy=False))
+
+    def nullable(sample_values: np.ndarray, sample_valid: np.ndarray) -> pa.Array:
+        valid = spread(sample_valid, False)
+        return pa.array(spread(sample_values, 0), mask=~valid)
 
     def optional(name: str) -> pa.Array:
-        if all(getattr(c, name) is None for c in chunks):
-            return pa.nulls(total, pa.int64())
         parts = [getattr(c, name) for c in chunks]
+        if all(p is None for p in parts):
+            return pa.nulls(total, pa.int64())
         data = cat(
             [
-                p if p is not None else np.zeros(c.rows, np.int64)
+                p if p is not None else np.zeros(c.sample_ids.shape[0])
                 for p, c in zip(parts, chunks, strict=True)
             ]
         )
-        mask = np.repeat(np.array([p is None for p in parts]), counts)
-        return pa.array(data, mask=mask)
+        valid = np.repeat(np.array([p is not None for p in parts]), n)
+        return nullable(data, valid)
 
     if all(c.values is None for c in chunks):
         values = pa.nulls(total, pa.string())
     else:
         # A Python object per value, not per row: rows without one take a null index.
-        index = np.full(total, -1, np.int64)
+        index = np.full(n_samples, -1, np.int64)
         strings: list[str | None] = []
-        for c, start in zip(chunks, starts.tolist(), strict=True):
+        for c, start in zip(chunks, first_sample.tolist(), strict=True):
             if c.values is not None:
-                index[start : start + c.rows] = np.arange(len(strings), len(strings) + c.rows)
+                k = c.sample_ids.shape[0]
+                index[start : start + k] = np.arange(len(strings), len(strings) + k)
                 strings.extend(c.values)
+        index = spread(index, -1)
         values = pa.array(strings, pa.string()).take(pa.array(index, mask=index < 0))
-    if all(c.digest is None for c in chunks):
+    with_digest = [i for i, c in enumerate(chunks) if c.digest is not None]
+    if not with_digest:
         digests = pa.nulls(total, pa.binary(DIGEST_BYTES))
     else:
+        # The digest sits on the chunk's batch row, or on a batch chunk's own row.
+        chunk_rows = np.array(with_digest, np.int64)
+        where = first_row[chunk_rows] + np.where(extra[chunk_rows] == 1, n[chunk_rows], 0)
         index = np.full(total, -1, np.int64)
-        raw: list[bytes] = []
-        for c, start in zip(chunks, starts.tolist(), strict=True):
-            if c.digest is not None:
-                index[start] = len(raw)
-                raw.append(c.digest)
-        digests = pa.array(raw, pa.binary(DIGEST_BYTES)).take(pa.array(index, mask=index < 0))
+        index[where] = np.arange(len(with_digest))
+        raw = pa.array([chunks[i].digest for i in with_digest], pa.binary(DIGEST_BYTES))
+        digests = raw.take(pa.array(index, mask=index < 0))
     kinds = pa.DictionaryArray.from_arrays(
-        pa.array(rep([KINDS.index(c.kind) for c in chunks], np.int8)), pa.array(KINDS)
+        pa.array(spread(np.repeat(kind, n).astype(np.int8), _KIND_INDEX[BATCH])),
+        pa.array(KINDS),
     )
     return pa.table(
         {
             "attempt": pa.array(np.full(total, attempt, np.int32)),
             "rank": pa.array(np.full(total, rank, np.int32)),
-            "worker": pa.array(rep([c.worker for c in chunks], np.int32)),
-            "epoch": pa.array(rep([c.epoch for c in chunks], np.int32)),
-            "batch": pa.array(rep([c.batch for c in chunks], np.int64)),
-            "position": pa.array(positions),
-            "sample_id": pa.array(cat([c.sample_ids for c in chunks])),
+            "worker": per_row(worker, np.int32),
+            "epoch": per_row(epoch, np.int32),
+            "batch": per_row(batch, np.int64),
+            "position": pa.array(spread(sample_positions, batch_positions)),
+            "sample_id": pa.array(spread(cat([c.sample_ids for c in chunks]), -1)),
             "kind": kinds,
             "token_start": optional("token_start"),
             "token_end": optional("token_end"),

@@ -58,3 +58,17 @@ def test_an_undigestable_batch_is_a_type_error():
         batch_digest({"x": Custom()})
     with pytest.raises(TypeError, match="object"):
         batch_digest(np.array([object()]))
+
+
+def test_every_tensor_path_hashes_the_same_content():
+    """The fast path (``Tensor.numpy``) and the fallbacks agree: a tensor that requires
+    grad, a conjugated or negated view, a bfloat16 tensor."""
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert batch_digest(x.clone().requires_grad_(True)) == batch_digest(x)
+    z = torch.complex(x, -x)
+    assert batch_digest(z.conj()) == batch_digest(z.conj().resolve_conj())
+    assert batch_digest(x.to(torch.bfloat16)) == batch_digest(x.to(torch.bfloat16).clone())
+    expected = hashlib.sha256(
+        b"Ttorch.bfloat16(2, 3)" + x.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    )
+    assert batch_digest(x.to(torch.bfloat16)) == expected.hexdigest()

@@ -192,3 +192,29 @@ def test_per_sample_rng_is_the_older_spelling_and_old_logs_resume(root):
         assert torch.equal(a["x"], b["x"])
     with pytest.raises(ledger.errors.ConfigMismatch, match="rng"):
         make(rng="batch").load_state_dict(token)
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_rngs_preserved_restores_random_exactly(monkeypatch, raw):
+    """``random``'s state comes back bit for bit, its cached gauss included, through the
+    raw-bytes copy and through the getstate/setstate fallback."""
+    import random
+
+    from ledger import order
+
+    if not raw:
+        monkeypatch.setattr(order._RandomState, "matches", lambda self: False)
+        monkeypatch.setattr(order, "_random_checked", None)
+    assert (order.random_state() is not None) == raw
+    random.seed(11)
+    random.gauss(0, 1)  # leaves gauss_next cached
+    before = random.getstate()
+    expected = [random.random(), random.gauss(0, 1)]
+    random.setstate(before)
+    with order.rngs_preserved(True):
+        random.seed(99)
+        random.random()
+        random.gauss(0, 1)
+    assert random.getstate() == before
+    assert [random.random(), random.gauss(0, 1)] == expected
+    monkeypatch.setattr(order, "_random_checked", None)  # re-check for later tests
