@@ -297,11 +297,11 @@ class _RandomState:
         self._address = id(generator) + object.__basicsize__
 
     def save(self) -> tuple[bytes, Any]:
-        return ctypes.string_at(self._address, self._SIZE), self._owner.gauss_next
+        return ctypes.string_at(self._address, self._SIZE), getattr(self._owner, "gauss_next", None)
 
     def restore(self, saved: tuple[bytes, Any]) -> None:
         ctypes.memmove(self._address, saved[0], self._SIZE)
-        self._owner.gauss_next = saved[1]
+        self._owner.gauss_next = saved[1]  # type: ignore[attr-defined]
 
     def matches(self) -> bool:
         """Whether the raw bytes decode to what ``getstate()`` says (the layout holds)."""
@@ -318,7 +318,7 @@ def random_state() -> _RandomState | None:
     """The raw-bytes saver of ``random``'s module generator, or ``None`` if its memory
     layout is not the one :class:`_RandomState` knows (checked once per generator)."""
     global _random_state, _random_checked
-    generator = random._inst  # type: ignore[attr-defined]  # the module functions' instance
+    generator = random._inst  # the module functions' instance
     if _random_checked is None or _random_checked[0] != id(generator):
         saver = _RandomState(generator)
         ok = platform.python_implementation() == "CPython" and saver.matches()
