@@ -1,7 +1,8 @@
 """ledger: exactly resumable, auditable PyTorch data pipelines.
 
 Public API: :class:`DataLoader`, :class:`Ledger`, :class:`EpochOrder`,
-:func:`sample_seeds`, :mod:`ledger.errors`, :mod:`ledger.testing`, :mod:`ledger.audit`.
+:func:`sample_seeds`, :mod:`ledger.errors`, :mod:`ledger.testing`, :mod:`ledger.audit`,
+:mod:`ledger.preemption`.
 
 The names are imported on first use (PEP 562), so ``ledger.audit`` and the ``ledger``
 command do not import torch.
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ledger import errors
 
 if TYPE_CHECKING:
+    from ledger import preemption
     from ledger.loader import DataLoader
     from ledger.log import Ledger
     from ledger.order import EpochOrder, sample_seeds
@@ -26,11 +28,17 @@ _LAZY = {
     "sample_seeds": "ledger.order",
 }
 
-__all__ = ["DataLoader", "EpochOrder", "Ledger", "errors", "sample_seeds"]
+_SUBMODULES = ("preemption",)
+
+__all__ = ["DataLoader", "EpochOrder", "Ledger", "errors", "preemption", "sample_seeds"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"ledger.{name}")
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ledger' has no attribute {name!r}")

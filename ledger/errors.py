@@ -70,3 +70,17 @@ class StorageError(LedgerError):
 class UnsupportedArgument(LedgerError, ValueError):
     """A DataLoader argument ledger cannot honour exactly; the message says what it does
     instead (e.g. a custom sampler: ``shuffle=True, seed=...``)."""
+
+
+class Preempted(LedgerError):
+    """A preemption signal arrived (:mod:`ledger.preemption`, ``stop_loaders=True``): the
+    loader stopped at a batch boundary. Save the model and ``loader.state_dict()``, then
+    exit; the resumed run continues the stream exactly.
+
+    Attributes:
+        signal: the signal received (``signal.Signals``), or ``None``.
+    """
+
+    def __init__(self, message: str, sig: object = None) -> None:
+        super().__init__(message)
+        self.signal = sig

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from ledger import torch_args
+from ledger import preemption, torch_args
 from ledger.commits import Commit, PipelineState, read_run
 from ledger.digest import digest_bytes
 from ledger.errors import CommitNotFound, ConfigMismatch, LedgerError, TokenError, WrongRoot
@@ -169,21 +169,32 @@ def _default_collate(batch: list[Any]) -> Any:
 
 
 class _WorkerInit:
-    """Runs in each worker first: die with the main process, then the user's init.
+    """Runs in each worker first: die with the main process, ignore the preemption
+    signals the main process handles, then the user's init.
 
     torch's worker watchdog compares the parent pid with the one it saw at start-up; a
     worker forked just before its parent is SIGKILLed sees pid 1 there and never exits
     (holding memory and the parent's pipes). ``PR_SET_PDEATHSIG`` (prctl(2), Linux) has
     the kernel kill the worker with its parent; the pid check covers a parent that died
     before the call.
+
+    SLURM signals every process of a job step: a worker that died of the SIGTERM its
+    main process handles (:mod:`ledger.preemption`) would make torch raise in the main
+    process. A forked worker sees the handlers installed at fork time; a spawned one gets
+    them in its pickled copy of this object (``__getstate__`` runs when it starts).
     """
 
     def __init__(self, fn: Callable[[int], None] | None, main_pid: int, check: bool) -> None:
         self.fn = fn
         self.main_pid = main_pid
         self.check = check
+        self.ignore: frozenset[int] = frozenset()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "ignore": preemption.installed_signals()}
 
     def __call__(self, worker_id: int) -> None:
+        preemption.ignore_in_worker(self.ignore | preemption.installed_signals())
         if self.check:
             if sys.platform.startswith("linux"):
                 ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
@@ -507,8 +518,8 @@ class DataLoader:
         self._iter_epoch = self._state.epoch
         if self._stream is not None:
             self._stream.begin(self._state)
-            return self._serve_stream(self._stream, generation)
-        return self._serve(generation)
+            return preemption.at_batch_boundaries(self._serve_stream(self._stream, generation))
+        return preemption.at_batch_boundaries(self._serve(generation))
 
     def _serve_stream(self, driver: StreamDriver, generation: int) -> Iterator[Any]:
         start_epoch = self._state.epoch
