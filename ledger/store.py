@@ -24,6 +24,7 @@ same probe key; a 412 on the second means the server enforces the condition.
 from __future__ import annotations
 
 import contextlib
+import glob as globlib
 import hashlib
 import os
 import random
@@ -160,6 +161,11 @@ class Store:
         """Filesystem path of ``rel`` (usable with :attr:`fs`)."""
         return f"{self.path}/{rel}" if rel else self.path
 
+    def _os_path(self, rel: str) -> str:
+        if not rel:
+            return self.path
+        return f"{self.path}/{rel}" if os.sep == "/" else os.path.join(self.path, *rel.split("/"))
+
     def local_path(self, rel: str) -> str | None:
         """OS path of ``rel`` on local disk, or ``None`` for a remote root."""
         return os.path.join(self.path, *rel.split("/")) if self.is_local else None
@@ -183,6 +189,9 @@ class Store:
             StorageError: if reading fails otherwise.
         """
         try:
+            if self.is_local:  # fsspec costs ~100 us a call; a log has 10^4 small markers
+                with open(self._os_path(rel), "rb") as f:
+                    return f.read()
             return bytes(self.fs.cat_file(self.full(rel)))
         except FileNotFoundError:
             raise
@@ -195,6 +204,13 @@ class Store:
         Raises:
             StorageError: if listing fails.
         """
+        if self.is_local:
+            try:
+                return sorted(os.listdir(self._os_path(rel_dir)))
+            except (FileNotFoundError, NotADirectoryError):
+                pass  # fsspec's answers for these (empty; a file lists as itself)
+            except OSError as e:
+                raise self._error(f"could not list {self.full(rel_dir)}", e) from e
         try:
             entries = self.fs.ls(self.full(rel_dir), detail=False, **self._fresh())
         except FileNotFoundError:
@@ -210,6 +226,10 @@ class Store:
             StorageError: if listing fails.
         """
         prefix = self.path + "/"
+        if self.is_local:  # the standard library's glob is ~10x faster than fsspec's here
+            root = globlib.escape(self.path) + os.sep
+            found = globlib.glob(root + pattern.replace("/", os.sep))
+            return sorted(p[len(prefix) :].replace(os.sep, "/") for p in found)
         try:
             found = self.fs.glob(self.full(pattern))
         except Exception as e:

@@ -12,14 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import duckdb
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ledger.audit.names import CHECKS
-from ledger.audit.scan import Progress
+from ledger.audit.scan import Progress, ScanResult, scan
 from ledger.audit.summary import (
     Summary,
-    counts,
     finished_epochs,
     summarize,
     uncovered_epochs,
@@ -27,18 +24,16 @@ from ledger.audit.summary import (
 from ledger.audit.views import connect
 from ledger.commits import (
     Commit,
-    SegmentRef,
     default_head,
+    lineage,
     list_commits,
     parsing_once,
     read_commit,
     read_run,
 )
-from ledger.compaction import CompactedFile, Piece, list_compactions, pieces
 from ledger.errors import LogCorrupted
-from ledger.schema import EVENT_SCHEMA, LEGACY_COLUMNS
 from ledger.segments import orphans
-from ledger.store import Store, sha256
+from ledger.store import Store
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,32 +316,42 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
     store = Store(root)
     results: list[CheckResult] = []
     try:
-        read_run(store)
+        config = read_run(store)["config"]
         commits = list_commits(store)
     except LogCorrupted as e:
         return Verification((CheckResult("markers", False, str(e)),), 0, 0, 0)
     results.append(CheckResult("markers", True, f"{len(commits)} commit markers parse"))
     results.append(_chain(commits))
-    bad: list[str] = []
-    refs = [(c, s) for c in commits for s in c.segments]
-    nbytes = events = 0
-    placed = pieces(store)
-    files = {f.path: f for comp in list_compactions(store) for f in comp.files}
-    checked: dict[str, str | None] = {}
-    for done, (c, ref) in enumerate(refs, 1):
-        piece = placed.get(ref.path)
-        if piece is None:
-            problem = _segment(store, c, ref)
-        else:
-            if piece.path not in checked:
-                checked[piece.path] = _compacted(store, files[piece.path])
-            problem = checked[piece.path] or _piece(c, ref, piece)
-        if problem:
-            bad.append(problem)
-        nbytes += ref.bytes
-        events += ref.rows
-        if progress is not None:
-            progress(done, len(refs))
+    # One pass over the segments: each is read once, checked against its marker, and
+    # (in the default head's lineage) counted for the duplicates check.
+    chain: set[str] = set()
+    head = default_head(commits)
+    if results[1].ok and head is not None:
+        chain = {c.id for c in lineage(store, head.id, known={c.id: c for c in commits})}
+    by_step = sorted(commits, key=lambda c: (c.step, c.attempt))
+    counted = [c for c in by_step if c.id in chain]
+    other = [c for c in by_step if c.id not in chain]
+    problems: dict[int, str] = {}
+    scanned: ScanResult | None = None
+    try:
+        scanned = scan(
+            store,
+            counted,
+            other,
+            dataset_len=int(config.get("dataset_len") or 0),
+            packed=bool(config.get("packer")),
+            progress=progress,
+            problems=problems,
+        )
+        # In the words and order of the markers (by attempt, then step).
+        jobs = [(c, k) for c in counted + other for k in range(len(c.segments))]
+        order = sorted(problems, key=lambda i: (jobs[i][0].attempt, jobs[i][0].step, jobs[i][1]))
+        bad = [problems[i] for i in order]
+    except LogCorrupted as e:  # two markers name one segment
+        bad = [str(e)]
+    refs = [s for c in commits for s in c.segments]
+    events = sum(s.rows for s in refs)
+    nbytes = sum(s.bytes for s in refs)
     results.append(
         CheckResult("segments", False, f"{len(bad)} bad: " + "; ".join(bad[:3]))
         if bad
@@ -354,8 +359,8 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
             "segments", True, f"{len(refs)} segments match their markers ({events} events)"
         )
     )
-    if results[1].ok and not bad:
-        results.append(_duplicates(root, store))
+    if results[1].ok and not bad and scanned is not None:
+        results.append(_duplicates(scanned))
     else:
         results.append(CheckResult("duplicates", False, "not checked: the log is damaged"))
     orphaned = _orphans(store, commits)
@@ -438,15 +443,9 @@ def verify_data(
     )
 
 
-def _duplicates(root: str, store: Store) -> CheckResult:
-    try:
-        con = connect(root)
-        try:
-            scanned = counts(con, store)
-        finally:
-            con.close()
-    except LogCorrupted as e:
-        return CheckResult("duplicates", False, f"not checked: {e}")
+def _duplicates(scanned: ScanResult) -> CheckResult:
+    if scanned.error:
+        return CheckResult("duplicates", False, f"not checked: {scanned.error}")
     dup = [e for e in scanned.epochs.values() if e.duplicates]
     return CheckResult(
         "duplicates",
@@ -488,65 +487,6 @@ def _chain(commits: list[Commit]) -> CheckResult:
     if problems:
         return CheckResult("chain", False, "; ".join(problems[:3]))
     return CheckResult("chain", True, "every parent exists, steps never go back")
-
-
-def _compacted(store: Store, f: CompactedFile) -> str | None:
-    """A compacted file must exist with the size, SHA-256 and rows its compaction names."""
-    try:
-        data = store.read_bytes(f.path)
-    except FileNotFoundError:
-        return f"compacted file {f.path} is missing"
-    if len(data) != f.bytes or sha256(data) != f.sha256:
-        return f"compacted file {f.path} differs from its compaction's size or SHA-256"
-    try:
-        rows = pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows
-    except (pa.ArrowException, OSError) as e:
-        return f"compacted file {f.path} is not readable Parquet: {e}"
-    if rows != f.rows:
-        return f"compacted file {f.path} has {rows} rows, its compaction says {f.rows}"
-    return None
-
-
-def _piece(c: Commit, ref: SegmentRef, piece: Piece) -> str | None:
-    """A compacted segment: its compaction must record what its marker names."""
-    if (piece.sha256, piece.rows, piece.commit_id) != (ref.sha256, ref.rows, c.id):
-        return (
-            f"{ref.path} (commit {c.id}) was compacted as {piece.rows} rows of commit "
-            f"{piece.commit_id} with another SHA-256 or row count than its marker names"
-        )
-    return None
-
-
-def _segment(store: Store, c: Commit, ref: SegmentRef) -> str | None:
-    where = f"{ref.path} (commit {c.id})"
-    try:
-        data = store.read_bytes(ref.path)
-    except FileNotFoundError:
-        return f"{where} is missing"
-    if len(data) != ref.bytes:
-        return f"{where} has {len(data)} bytes, the marker says {ref.bytes}"
-    if sha256(data) != ref.sha256:
-        return f"{where} has another SHA-256 than its marker"
-    try:
-        return _segment_content(where, data, c, ref)
-    except (pa.ArrowException, OSError, ValueError) as e:  # mangled footers, statistics
-        return f"{where} is not readable Parquet: {e}"
-
-
-def _segment_content(where: str, data: bytes, c: Commit, ref: SegmentRef) -> str | None:
-    meta = pq.ParquetFile(pa.BufferReader(data)).metadata
-    if meta.num_rows != ref.rows:
-        return f"{where} has {meta.num_rows} rows, the marker says {ref.rows}"
-    names = meta.schema.to_arrow_schema().names
-    if names not in (EVENT_SCHEMA.names, LEGACY_COLUMNS):
-        return f"{where} has columns {names}, not the event schema"
-    for col, want in (("attempt", c.attempt), ("rank", ref.rank)):
-        i = names.index(col)
-        for g in range(meta.num_row_groups):
-            st = meta.row_group(g).column(i).statistics
-            if st is not None and st.has_min_max and not st.min == st.max == want:
-                return f"{where} holds {col} {st.min}..{st.max}, its path says {want}"
-    return None
 
 
 __all__ = [

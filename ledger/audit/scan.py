@@ -16,22 +16,20 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from ledger.audit.views import arrow_filesystem
 from ledger.commits import Commit, SegmentRef
 from ledger.compaction import Piece, list_compactions, pieces
 from ledger.errors import LogCorrupted
-from ledger.schema import EVENT_SCHEMA, SAMPLE, SKIP, SPAN
+from ledger.schema import EVENT_SCHEMA, LEGACY_COLUMNS, SAMPLE, SKIP, SPAN
 from ledger.segments import open_segment
 from ledger.store import Store, sha256
 
-_COLUMNS = ["epoch", "kind", "sample_id", "token_start", "position"]
 _MAX_BITMAP = 1 << 33
 """Largest id range (bytes) counted with a bitmap; beyond it, ids are sorted instead."""
 
@@ -92,11 +90,22 @@ class SegmentCounts:
 
 @dataclass(slots=True)
 class ScanResult:
-    """What :func:`scan` counted: per epoch (counted commits only) and per segment."""
+    """What :func:`scan` counted: per epoch (counted commits only) and per segment.
+
+    Attributes:
+        epochs: per epoch of the counted commits (those with consumed or skipped events).
+        segments: per segment, counted commits' first, in the order scanned.
+        packed: the run packs samples.
+        last_positions: per epoch, the largest position of a consumed event in it.
+        error: with ``problems`` (``ledger verify``): why the epochs were not counted (a
+            sample id outside the dataset), ``""`` when they were.
+    """
 
     epochs: dict[int, EpochCounts] = field(default_factory=dict)
     segments: list[SegmentCounts] = field(default_factory=list)
     packed: bool = False
+    last_positions: dict[int, int] = field(default_factory=dict)
+    error: str = ""
 
 
 class _Ids:
@@ -145,9 +154,6 @@ class _Ids:
         return np.unique(np.concatenate(self.parts)) if self.parts else np.zeros(0, np.int64)
 
 
-_SCHEMA = pa.schema([EVENT_SCHEMA.field(c) for c in _COLUMNS])
-
-
 def _consumed(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
     """Masks of a batch's consumed and skipped rows (``bool (rows,)`` each)."""
     kind = batch.column("kind")
@@ -173,8 +179,14 @@ def scan(
     packed: bool = False,
     progress: Progress | None = None,
     threads: int | None = None,
+    problems: dict[int, str] | None = None,
 ) -> ScanResult:
     """Count the segments of ``counted`` per epoch, and every segment's events.
+
+    Segments are read ahead by a thread pool (:func:`_read_units`); their rows are
+    counted a chunk of many segments at a time (about 10^6 rows), so the work per segment
+    in Python is a few array slices, not a pass of its own. The pieces of a compacted
+    file that the scan reads in a row are read as one table.
 
     Args:
         store: the log root.
@@ -185,7 +197,11 @@ def scan(
         packed: the run packs samples (has ``span`` events; their ``token_start`` column is
             then read too, to count a packed sample once).
         progress: called with ``(segments done, segments in all)``.
-        threads: segment files read ahead at once (default 4).
+        threads: files read ahead at once (default 4).
+        problems: when given (``ledger verify``), a segment that is missing or differs
+            from its marker is not an error: the problem is recorded here, by the
+            segment's index in the scan (counted commits' segments first), in the words
+            of :func:`check_segment`, and the segment is left out of the counts.
 
     Returns:
         Per epoch of ``counted``, and per segment of both (in the order given).
@@ -198,94 +214,282 @@ def scan(
     jobs = [(c, True, s) for c in counted for s in c.segments] + [
         (c, False, s) for c in other for s in c.segments
     ]
-    events = np.zeros(len(jobs), np.int64)
-    samples = np.zeros(len(jobs), np.int64)
-    last_epoch = np.full(len(jobs), -1, np.int64)
-    result = ScanResult(packed=packed)
-    ids: dict[int, tuple[_Ids, _Ids]] = {}
     if len({s.path for _, _, s in jobs}) != len(jobs):
         raise LogCorrupted("two markers name the same segment: the commit chain is damaged")
-    columns = ["epoch", "kind", "sample_id"] + (["token_start"] if packed else [])
-    for i, table in enumerate(read_verified(store, [s for _, _, s in jobs], columns, threads)):
+    counter = _Counter(store, jobs, dataset_len, keep_going=problems is not None)
+    columns = ["epoch", "kind", "sample_id", "position"] + (["token_start"] if packed else [])
+    buffered: list[_Unit] = []
+    rows = done = 0
+    for unit in _read_units(store, jobs, columns, threads, problems):
+        if buffered and (
+            jobs[unit.jobs[0]][1] != jobs[buffered[0].jobs[0]][1] or rows >= _CHUNK_ROWS
+        ):
+            counter.add(buffered)
+            buffered, rows = [], 0
+        buffered.append(unit)
+        rows += unit.table.num_rows if unit.table is not None else 0
+        done += len(unit.jobs)
         if progress is not None:
-            progress(i + 1, len(jobs))
-        where = store.full(jobs[i][2].path)
-        for batch in table.to_batches():
-            if batch.num_rows == 0:
-                continue
-            consumed, skipped = _consumed(batch)
-            events[i] += batch.num_rows
-            if not jobs[i][1]:
-                samples[i] += int(np.count_nonzero(consumed))
-                continue
-            epoch = batch.column("epoch")
-            bounds = pc.min_max(epoch)
-            lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
-            sample_ids = batch.column("sample_id").to_numpy()
-            any_skip = bool(skipped.any())
-            for e in range(lo, hi + 1):
-                mine = epoch.to_numpy() == e if lo != hi else None
-                used = sample_ids[consumed if mine is None else consumed & mine]
-                if used.size == 0 and not any_skip:
-                    continue
-                counts = result.epochs.setdefault(e, EpochCounts(e))
-                if e not in ids:
-                    ids[e] = (_Ids(dataset_len), _Ids(dataset_len, bitmap=False))
-                seen, skips = ids[e]
-                counts.samples += used.size
-                samples[i] += used.size
-                if used.size:
-                    last_epoch[i] = max(last_epoch[i], e)
-                seen.add(used, where)
-                if any_skip:
-                    dropped = sample_ids[skipped if mine is None else skipped & mine]
-                    counts.skipped += dropped.size
-                    skips.add(dropped, where)
-    for i, (commit, _, ref) in enumerate(jobs):
-        if events[i] != ref.rows:
-            raise LogCorrupted(
-                f"segment {store.full(ref.path)} has {events[i]} rows, its marker says {ref.rows}"
-            )
-        result.segments.append(
-            SegmentCounts(
-                commit.id,
-                commit.step,
-                commit.attempt,
-                ref.rank,
-                int(events[i]),
-                int(samples[i]),
-                ref.path,
-                int(last_epoch[i]),
-            )
-        )
-    for e, (seen, skips) in ids.items():
-        result.epochs[e].distinct = seen.count()
-        result.epochs[e].skipped_distinct = skips.count()
-        result.epochs[e].covered = seen.union_count(skips)
-    result.epochs = {e: c for e, c in sorted(result.epochs.items()) if c.samples or c.skipped}
-    if progress is not None:
-        progress(len(jobs), len(jobs))
-    return result
+            progress(done, len(jobs))
+    counter.add(buffered)
+    return counter.result(packed)
 
 
-def _dataset(store: Store, paths: list[str]) -> ds.Dataset:
-    """The segments at ``paths`` (relative) as one dataset; a segment retired by a
-    compaction is the row groups of the compacted file that hold it."""
+_CHUNK_ROWS = 1 << 20
+"""Rows counted at once: enough to make the per-chunk work negligible per segment."""
+
+
+@dataclass(slots=True)
+class _Unit:
+    """Rows of one or more consecutive jobs of a scan, read as one table.
+
+    Attributes:
+        jobs: indexes of the jobs (segments) whose rows the table holds, in row order.
+        rows: rows of each job (as its marker names them).
+        table: the rows; ``None`` when the jobs' file failed a check (``problems``).
+    """
+
+    jobs: list[int]
+    rows: list[int]
+    table: pa.Table | None
+
+
+class _Counter:
+    """Folds chunks of units into per-epoch and per-segment counts (vectorised)."""
+
+    def __init__(
+        self,
+        store: Store,
+        jobs: list[tuple[Commit, bool, SegmentRef]],
+        dataset_len: int,
+        keep_going: bool,
+    ) -> None:
+        self.store = store
+        self.jobs = jobs
+        self.dataset_len = dataset_len
+        self.events = np.zeros(len(jobs), np.int64)
+        self.samples = np.zeros(len(jobs), np.int64)
+        self.last_epoch = np.full(len(jobs), -1, np.int64)
+        self.epochs: dict[int, EpochCounts] = {}
+        self.ids: dict[int, tuple[_Ids, _Ids]] = {}
+        self.last_positions: dict[int, int] = {}
+        self.error = ""
+        self.keep_going = keep_going
+
+    def add(self, units: list[_Unit]) -> None:
+        tables = [u.table for u in units if u.table is not None and u.table.num_rows]
+        units = [u for u in units if u.table is not None and u.table.num_rows]
+        if not units:
+            return
+        index = np.fromiter((j for u in units for j in u.jobs), np.int64)
+        counts = np.fromiter((n for u in units for n in u.rows), np.int64)
+        # One dictionary for 'kind' across the files, then one chunk per column.
+        table = pa.concat_tables(tables).unify_dictionaries().combine_chunks()
+        job = np.repeat(index, counts)  # the job (segment) of each row
+        np.add.at(self.events, index, counts)
+        batch = table.to_batches()[0]
+        consumed, skipped = _consumed(batch)
+        if not self.jobs[int(index[0])][1]:  # abandoned branches: per-segment counts only
+            self.samples += np.bincount(job[consumed], minlength=len(self.jobs))
+            return
+        epoch = batch.column("epoch").to_numpy()
+        ids = batch.column("sample_id").to_numpy()
+        either = consumed | skipped
+        outside = either & ((ids < 0) | (ids >= self.dataset_len))
+        if self.error:
+            return
+        if outside.any():
+            row = int(np.flatnonzero(outside)[0])
+            where = self.store.full(self.jobs[int(job[row])][2].path)
+            self.error = (
+                f"{where} holds sample id {ids[row]}, outside the dataset's [0, {self.dataset_len})"
+            )
+            if not self.keep_going:
+                raise LogCorrupted(self.error)
+            return
+        self.samples += np.bincount(job[consumed], minlength=len(self.jobs))
+        np.maximum.at(self.last_epoch, job[consumed], epoch[consumed])
+        position = batch.column("position").to_numpy()
+        for e in np.unique(epoch[either]).tolist():
+            mine = epoch == e
+            used = ids[consumed & mine]
+            dropped = ids[skipped & mine]
+            counted = self.epochs.setdefault(e, EpochCounts(e))
+            if e not in self.ids:
+                self.ids[e] = (_Ids(self.dataset_len), _Ids(self.dataset_len, bitmap=False))
+            seen, skips = self.ids[e]
+            counted.samples += used.size
+            counted.skipped += dropped.size
+            seen.add(used, "")
+            skips.add(dropped, "")
+            if used.size:
+                top = int(position[consumed & mine].max())
+                self.last_positions[e] = max(self.last_positions.get(e, top), top)
+
+    def result(self, packed: bool) -> ScanResult:
+        result = ScanResult(packed=packed, error=self.error)
+        result.segments = [
+            SegmentCounts(c.id, c.step, c.attempt, ref.rank, n, k, ref.path, last)
+            for (c, _, ref), n, k, last in zip(
+                self.jobs,
+                self.events.tolist(),
+                self.samples.tolist(),
+                self.last_epoch.tolist(),
+                strict=True,
+            )
+        ]
+        for e, (seen, skips) in self.ids.items():
+            self.epochs[e].distinct = seen.count()
+            self.epochs[e].skipped_distinct = skips.count()
+            self.epochs[e].covered = seen.union_count(skips)
+        result.epochs = {e: c for e, c in sorted(self.epochs.items()) if c.samples or c.skipped}
+        result.last_positions = {e: p for e, p in self.last_positions.items() if e in result.epochs}
+        return result
+
+
+def _read_units(
+    store: Store,
+    jobs: list[tuple[Commit, bool, SegmentRef]],
+    columns: list[str],
+    threads: int | None,
+    problems: dict[int, str] | None,
+) -> Iterator[_Unit]:
+    """The ``columns`` of the jobs' segments, in order, each checked against its marker
+    before it is decoded; consecutive pieces of one compacted file come as one unit.
+
+    A pool of threads reads, hashes (``hashlib`` releases the GIL) and decodes (so does
+    Arrow) up to ``threads`` units ahead of the caller. With ``problems``, a unit that
+    fails a check comes with no table and its problem recorded (see :func:`scan`).
+    """
+    want = pa.schema([EVENT_SCHEMA.field(c) for c in columns])
     placed = pieces(store)
-    fmt = ds.ParquetFileFormat()
-    fs = arrow_filesystem(store)
-    parents: dict[str, ds.ParquetFileFragment] = {}
-    fragments = []
-    for rel in paths:
-        piece = placed.get(rel)
-        if piece is None:
-            fragments.append(fmt.make_fragment(store.full(rel), fs))
-            continue
-        if piece.path not in parents:
-            parents[piece.path] = fmt.make_fragment(store.full(piece.path), fs)
-            parents[piece.path].ensure_complete_metadata()
-        fragments.append(parents[piece.path].subset(row_group_ids=piece.row_groups))
-    return ds.FileSystemDataset(fragments, _SCHEMA, fmt, fs)
+    compacted = _CompactedFiles(store)
+    groups: list[list[int]] = []
+    last: Piece | None = None
+    for i, (_, counted, ref) in enumerate(jobs):
+        piece = placed.get(ref.path)
+        if (
+            piece is not None
+            and last is not None
+            and counted == jobs[i - 1][1]
+            and piece.path == last.path
+            and piece.first_group == last.first_group + last.groups
+        ):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+        last = piece
+
+    def load(group: list[int]) -> _Unit:
+        refs = [jobs[i][2] for i in group]
+        rows = [ref.rows for ref in refs]
+        try:
+            if refs[0].path not in placed:
+                table = _segment_table(store, jobs[group[0]][0], refs[0], columns, problems)
+            else:
+                held = [placed[ref.path] for ref in refs]
+                table = compacted.read_run(held, [jobs[i][0] for i in group], refs, columns)
+            if table.num_rows != sum(rows):  # each check above makes this unreachable
+                raise LogCorrupted(
+                    f"segment {store.full(refs[0].path)} and the {len(refs) - 1} read with it "
+                    f"hold {table.num_rows} rows, their markers say {sum(rows)}"
+                )
+            return _Unit(group, rows, table if table.schema.equals(want) else table.cast(want))
+        except _Problems as p:
+            if problems is None:
+                raise LogCorrupted(p.first) from None
+            problems.update({group[k]: text for k, text in p.found.items()})
+            return _Unit(group, rows, None)
+        except LogCorrupted as e:
+            if problems is None:
+                raise
+            problems.update({i: str(e) for i in group})
+            return _Unit(group, rows, None)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            error = f"segment {store.full(refs[0].path)} does not hold the event columns: {e}"
+            if problems is None:
+                raise LogCorrupted(error) from e
+            problems.update({i: error for i in group})
+            return _Unit(group, rows, None)
+
+    ahead = max(1, threads or 4)
+    with ThreadPoolExecutor(ahead, thread_name_prefix="ledger-scan") as pool:
+        pending: deque[Future[_Unit]] = deque()
+        try:
+            for group in groups:
+                pending.append(pool.submit(load, group))
+                if len(pending) > ahead:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+class _Problems(Exception):
+    """Checks that a unit failed: by position in the unit, one line each (``ledger
+    verify``'s words); ``first`` is the line a command that stops at the first says."""
+
+    def __init__(self, found: dict[int, str], first: str) -> None:
+        super().__init__(first)
+        self.found = found
+        self.first = first
+
+
+def _segment_table(
+    store: Store,
+    commit: Commit,
+    ref: SegmentRef,
+    columns: list[str],
+    problems: dict[int, str] | None,
+) -> pa.Table:
+    """One segment's ``columns``, checked against its marker. Without ``problems`` a
+    failed check raises :class:`LogCorrupted` (:func:`open_segment`'s words); with it,
+    :class:`_Problems` in :func:`check_segment`'s words."""
+    if problems is None:
+        pf = open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256, size=ref.bytes)
+        return pf.read(columns=columns, use_threads=False)
+    opened = check_segment(store, commit, ref)
+    if isinstance(opened, str):
+        raise _Problems({0: opened}, opened)
+    return opened.read(columns=columns, use_threads=False)
+
+
+def check_segment(store: Store, c: Commit, ref: SegmentRef) -> pq.ParquetFile | str:
+    """``ledger verify``'s checks of one segment: it exists, has the size, SHA-256 and
+    rows its marker names, the event columns, and only its own attempt and rank (Parquet
+    statistics). Returns the opened file, or the problem in one line."""
+    where = f"{ref.path} (commit {c.id})"
+    try:
+        data = store.read_bytes(ref.path)
+    except FileNotFoundError:
+        return f"{where} is missing"
+    if len(data) != ref.bytes:
+        return f"{where} has {len(data)} bytes, the marker says {ref.bytes}"
+    if sha256(data) != ref.sha256:
+        return f"{where} has another SHA-256 than its marker"
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        return _segment_content(where, pf, c, ref) or pf
+    except (pa.ArrowException, OSError, ValueError) as e:  # mangled footers, statistics
+        return f"{where} is not readable Parquet: {e}"
+
+
+def _segment_content(where: str, pf: pq.ParquetFile, c: Commit, ref: SegmentRef) -> str | None:
+    meta = pf.metadata
+    if meta.num_rows != ref.rows:
+        return f"{where} has {meta.num_rows} rows, the marker says {ref.rows}"
+    names = pf.schema_arrow.names
+    if names not in (EVENT_SCHEMA.names, LEGACY_COLUMNS):
+        return f"{where} has columns {names}, not the event schema"
+    for col, want in (("attempt", c.attempt), ("rank", ref.rank)):
+        i = names.index(col)
+        for g in range(meta.num_row_groups):
+            st = meta.row_group(g).column(i).statistics
+            if st is not None and st.has_min_max and not st.min == st.max == want:
+                return f"{where} holds {col} {st.min}..{st.max}, its path says {want}"
+    return None
 
 
 def read_verified(
@@ -371,6 +575,7 @@ class _CompactedFiles:
         self.store = store
         self.files = {f.path: f for c in list_compactions(store) for f in c.files}
         self.data: dict[str, pa.Buffer] = {}
+        self.checked: dict[str, tuple[Any, Any]] = {}
         self.lock = threading.Lock()
         self.local = threading.local()
 
@@ -414,16 +619,100 @@ class _CompactedFiles:
             )
         return table
 
+    def _checked(self, path: str, pieces: int) -> tuple[pa.Buffer, np.ndarray]:
+        """The file's bytes and the cumulative rows of its row groups (``int64
+        (groups + 1,)``), after checking it against its compaction once.
 
-def last_position(store: Store, paths: list[str], epoch: int, packed: bool) -> int | None:
-    """Largest position of a consumed event of ``epoch`` in the segments at ``paths``."""
-    columns = ["epoch", "kind", "position"] + (["token_start"] if packed else [])
-    best: int | None = None
-    for batch in _dataset(store, paths).to_batches(
-        columns=columns, filter=pc.field("epoch") == epoch
-    ):
-        consumed, _ = _consumed(batch)
-        if consumed.any():
-            top = int(batch.column("position").to_numpy()[consumed].max())
-            best = top if best is None else max(best, top)
-    return best
+        Raises:
+            _Problems: if the file is missing, altered or unreadable (the same problem for
+                each of the unit's ``pieces``).
+        """
+        with self.lock:
+            known = self.checked.get(path)
+            if known is None:
+                known = self.checked[path] = self._check(path)
+        data, bounds = known
+        if isinstance(data, str):
+            raise _Problems(dict.fromkeys(range(pieces), data), str(bounds))
+        return data, bounds
+
+    def _check(self, path: str) -> tuple[Any, Any]:
+        f = self.files[path]
+        full = self.store.full(path)
+        try:
+            raw = self.store.read_bytes(f.path)
+        except FileNotFoundError:
+            return f"compacted file {f.path} is missing", f"compacted file {full} is missing"
+        if len(raw) != f.bytes or sha256(raw) != f.sha256:
+            return (
+                f"compacted file {f.path} differs from its compaction's size or SHA-256",
+                f"compacted file {full} differs from the size or SHA-256 its compaction "
+                "names: it was altered",
+            )
+        data = pa.py_buffer(raw)
+        try:
+            meta = pq.ParquetFile(pa.BufferReader(data)).metadata
+            sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        except (pa.ArrowException, OSError, ValueError) as e:
+            return (
+                f"compacted file {f.path} is not readable Parquet: {e}",
+                f"compacted file {full} is not readable Parquet: {e}",
+            )
+        if meta.num_rows != f.rows:
+            return (
+                f"compacted file {f.path} has {meta.num_rows} rows, its compaction says {f.rows}",
+                f"compacted file {full} has {meta.num_rows} rows, its compaction says {f.rows}",
+            )
+        return data, np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+
+    def read_run(
+        self,
+        held: list[Piece],
+        commits: list[Commit],
+        refs: list[SegmentRef],
+        columns: list[str],
+    ) -> pa.Table:
+        """The rows of consecutive pieces of one compacted file (consecutive row groups),
+        as one table: the file is checked once, each piece against its marker, and each
+        piece's row groups hold the rows its marker names.
+
+        Raises:
+            _Problems: naming each piece (or the file) that does not check.
+        """
+        path = held[0].path
+        data, bounds = self._checked(path, len(held))
+        found = {}
+        for k, (piece, c, ref) in enumerate(zip(held, commits, refs, strict=True)):
+            if (piece.sha256, piece.rows, piece.commit_id) != (ref.sha256, ref.rows, c.id):
+                found[k] = (
+                    f"{ref.path} (commit {c.id}) was compacted as {piece.rows} rows of commit "
+                    f"{piece.commit_id} with another SHA-256 or row count than its marker names"
+                )
+        if found:
+            ref = refs[min(found)]
+            raise _Problems(
+                found,
+                f"segment {self.store.full(ref.path)} was compacted with another SHA-256 or "
+                "row count than its marker names",
+            )
+        first = np.fromiter((p.first_group for p in held), np.int64, len(held))
+        end = first + np.fromiter((p.groups for p in held), np.int64, len(held))
+        rows = bounds[end] - bounds[first]
+        wrong = np.flatnonzero(rows != np.fromiter((r.rows for r in refs), np.int64, len(refs)))
+        if wrong.size:
+            k = int(wrong[0])
+            text = (
+                f"{self.store.full(path)} holds {rows[k]} rows of segment {refs[k].path}, its "
+                f"marker says {refs[k].rows}"
+            )
+            raise _Problems({int(j): text for j in wrong}, text)
+        mine: dict[str, pq.ParquetFile] = getattr(self.local, "files", None) or {}
+        self.local.files = mine
+        pf = mine.get(path)
+        if pf is None:
+            mine.clear()
+            pf = mine[path] = pq.ParquetFile(pa.BufferReader(data))
+        lo, hi = int(first[0]), int(end[-1])
+        if lo == 0 and hi == len(bounds) - 1:
+            return pf.read(columns=columns, use_threads=False)
+        return pf.read_row_groups(range(lo, hi), columns=columns, use_threads=False)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import duckdb
 import pyarrow as pa
 
-from ledger.audit.scan import Progress, ScanResult, last_position, scan
+from ledger.audit.scan import Progress, ScanResult, scan
 from ledger.audit.views import connect
 from ledger.commits import list_commits, parsing_once, read_run
 from ledger.store import Store
@@ -295,9 +295,8 @@ def _summarize(con: duckdb.DuckDBPyConnection, store: Store, progress: Progress 
     epochs = [c for c in scanned.epochs.values() if c.samples]
     last = None
     if epochs:
-        e = epochs[-1].epoch  # only the segments that reach it are read again
-        paths = [s.path for s in scanned.segments if s.last_epoch >= e]
-        position = last_position(store, paths, e, scanned.packed)
+        e = epochs[-1].epoch
+        position = scanned.last_positions.get(e)
         last = Position(e, position) if position is not None else None
     epochs = list(scanned.epochs.values())
     return Summary(
