@@ -32,16 +32,24 @@ def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
     """The ``sample`` events of the last batch of a segment, reading only its tail.
 
     Batch indexes never decrease within a segment, so row groups are read from the end
-    until one starts with an earlier batch.
+    while they may hold the last batch: the ``batch`` column's statistics (in the footer)
+    say which without decoding, and writers put the final batch in a row group of its
+    own (:func:`ledger.segments.encode`), so a resume decodes a few hundred rows. Without
+    statistics, groups are decoded from the end until one starts with an earlier batch.
     """
     pf = segments.open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256)
     columns = ["epoch", "batch", "position", "sample_id", "kind"]
+    batch_column = pf.schema_arrow.get_field_index("batch")
     groups: list[pa.Table] = []
     last = None
     for i in reversed(range(pf.num_row_groups)):
-        group = pf.read_row_group(i, columns=columns)
-        if group.num_rows == 0:
+        meta = pf.metadata.row_group(i)
+        if meta.num_rows == 0:
             continue
+        stats = meta.column(batch_column).statistics if batch_column >= 0 else None
+        if last is not None and stats is not None and stats.has_min_max and stats.max < last:
+            break  # the whole group precedes the last batch
+        group = pf.read_row_group(i, columns=columns)
         groups.insert(0, group)
         last = group["batch"][-1].as_py() if last is None else last
         if group["batch"][0].as_py() < last:

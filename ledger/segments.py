@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -69,8 +70,28 @@ def encode(table: pa.Table) -> bytes:
     """
     sink = pa.BufferOutputStream()
     with _writer(sink) as writer:
-        writer.write_table(table.cast(EVENT_SCHEMA), row_group_size=ROW_GROUP_ROWS)
+        _write_tail(writer, table.cast(EVENT_SCHEMA))
     return bytes(sink.getvalue().to_pybytes())
+
+
+def _write_tail(writer: pq.ParquetWriter, table: pa.Table) -> None:
+    """Write the events, the final batch's in a row group of their own.
+
+    A resume reads only the final batch of a rank's newest segment
+    (:func:`ledger.replay.replay`): its own row group, found through the ``batch``
+    column's statistics, decodes a few hundred rows instead of up to
+    :data:`ROW_GROUP_ROWS`. Costs one row group's metadata (~0.5 KB) per segment.
+    """
+    if table.num_rows == 0:
+        writer.write_table(table, row_group_size=1)
+        return
+    batches = table["batch"].to_numpy()
+    split = int(np.searchsorted(batches, batches[-1], side="left"))
+    if split and not np.all(batches[split:] == batches[-1]):
+        split = 0  # batches out of order (cannot happen for a segment): one layout only
+    for part in (table.slice(0, split), table.slice(split)):
+        if part.num_rows:
+            writer.write_table(part, row_group_size=ROW_GROUP_ROWS)
 
 
 class SegmentBuilder:
@@ -120,7 +141,7 @@ class SegmentBuilder:
             for future in self._pending:
                 future.result()
             if self._chunks:
-                self._write(self._chunks)
+                _write_tail(self._writer, chunks_to_table(self._chunks, self.attempt, self.rank))
             self._writer.close()
             return bytes(self._sink.getvalue().to_pybytes())
         finally:

@@ -146,3 +146,38 @@ def test_hugging_face_dataset(root):
     assert assert_resume_exact(make, batches=7) == 7
     texts = [t for b in ledger.DataLoader(ds, batch_size=4, log=root + "2") for t in b["text"]]
     assert texts == [f"doc {i}" for i in range(11)]
+
+
+def test_resume_decodes_only_the_final_batch(root, monkeypatch):
+    """The final batch of a segment is a row group of its own, and a resume decodes that
+    group alone (found through the batch column's statistics), whatever the segment's size."""
+    import glob
+
+    import pyarrow.parquet as pq
+
+    loader = ledger.DataLoader(Augmented(5000), batch_size=8, shuffle=True, seed=1, log=root)
+    list(take(loader, 300))
+    token = loader.state_dict()
+    (path,) = glob.glob(f"{root}/events/**/*.parquet", recursive=True)
+    meta = pq.ParquetFile(path).metadata
+    assert meta.num_rows == 300 * 9  # 8 samples and a digest row per batch
+    assert meta.row_group(meta.num_row_groups - 1).num_rows == 9
+    decoded: list[int] = []
+    read = pq.ParquetFile.read_row_group
+
+    def counting(self, i, *args, **kwargs):
+        table = read(self, i, *args, **kwargs)
+        decoded.append(table.num_rows)
+        return table
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
+    resumed = ledger.DataLoader(Augmented(5000), batch_size=8, shuffle=True, seed=1, log=root)
+    resumed.load_state_dict(token)
+    assert decoded == [9]
+    expected = ledger.DataLoader(
+        Augmented(5000), batch_size=8, shuffle=True, seed=1, log=root + "2"
+    )
+    list(take(expected, 300))
+    from ledger.digest import batch_digest
+
+    assert batch_digest(next(iter(resumed))) == batch_digest(next(iter(expected)))
