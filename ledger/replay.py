@@ -19,6 +19,7 @@ from dataclasses import replace
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from ledger import segments
 from ledger.commits import Commit, PipelineState, SegmentRef, newest_segment, newest_segments
@@ -37,7 +38,16 @@ def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
     own (:func:`ledger.segments.encode`), so a resume decodes a few hundred rows. Without
     statistics, groups are decoded from the end until one starts with an earlier batch.
     """
-    pf = segments.open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256)
+    pf = segments.open_tail(store, ref.path, rows=ref.rows, size=ref.bytes, checksum=ref.sha256)
+    try:
+        return _final_batch_rows(pf, ref)
+    except (pa.ArrowException, OSError) as e:  # a page that fails its CRC, a bad page
+        raise LogCorrupted(f"segment {store.full(ref.path)} is damaged: {e}") from e
+    finally:
+        pf.close()
+
+
+def _final_batch_rows(pf: pq.ParquetFile, ref: SegmentRef) -> pa.Table:
     columns = ["epoch", "batch", "position", "sample_id", "kind"]
     batch_column = pf.schema_arrow.get_field_index("batch")
     groups: list[pa.Table] = []

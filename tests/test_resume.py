@@ -181,3 +181,52 @@ def test_resume_decodes_only_the_final_batch(root, monkeypatch):
     from ledger.digest import batch_digest
 
     assert batch_digest(next(iter(resumed))) == batch_digest(next(iter(expected)))
+
+
+def test_resume_checks_the_pages_it_reads(root):
+    """A resume reads the final batch's row group only, and checks its pages' CRC-32s:
+    damage there is a LogCorrupted naming the segment; damage elsewhere in the segment
+    does not stop the resume (the audit's and verify's whole-file SHA-256 report it)."""
+    import glob
+    import shutil
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    from ledger.audit.checks import verify
+    from ledger.digest import batch_digest
+    from ledger.errors import LogCorrupted
+
+    def make(log: str) -> ledger.DataLoader:
+        return ledger.DataLoader(Augmented(5000), batch_size=8, shuffle=True, seed=1, log=log)
+
+    loader = make(root)
+    list(take(loader, 300))
+    token = loader.state_dict()
+    expected = make(root + "-ref")
+    list(take(expected, 300))
+    want = batch_digest(next(iter(expected)))
+    (path,) = glob.glob(f"{root}/events/**/*.parquet", recursive=True)
+    meta = pq.ParquetFile(path).metadata
+    ids = meta.schema.to_arrow_schema().get_field_index("sample_id")
+
+    def flipped(group: int) -> str:
+        copy = f"{root}-flip{group}"
+        shutil.copytree(root, copy)
+        chunk = meta.row_group(group).column(ids)
+        at = chunk.data_page_offset + chunk.total_compressed_size - 2  # in the page's data
+        seg = path.replace(root, copy)
+        data = bytearray(Path(seg).read_bytes())
+        data[at] ^= 0x5A
+        Path(seg).write_bytes(bytes(data))
+        return copy
+
+    last = flipped(meta.num_row_groups - 1)
+    with pytest.raises(LogCorrupted, match=r"seg-000000000300\.parquet"):
+        resumed = make(last)
+        resumed.load_state_dict({**token, "root": last})
+    first = flipped(0)
+    resumed = make(first)
+    resumed.load_state_dict({**token, "root": first})
+    assert batch_digest(next(iter(resumed))) == want
+    assert verify(root).ok and not verify(first).ok
