@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ledger import manifest as manifest_mod
 from ledger import ranks as ranks_mod
 from ledger.errors import (
     CommitConflict,
@@ -364,6 +365,9 @@ class Commit:
             newest segment of the lineage); ``None`` for a version-1 marker, or a commit
             being built without one (:func:`new_commit` gives it one).
         version: marker format version the commit was read from or will be written in.
+
+    The lineage ranges and the manifest reference (:mod:`ledger.manifest`) are properties:
+    read from the marker, or computed once when the commit is written.
     """
 
     id: str
@@ -377,6 +381,27 @@ class Commit:
     ranks: RankTable | None = field(default=None, compare=False, repr=False)
     version: int = field(default=SCHEMA_VERSION, compare=False)
     _blob: list[bytes] = field(default_factory=list, compare=False, repr=False)
+    _extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def lineage_ranges(self) -> manifest_mod.Ranges | None:
+        """The lineage as ``(attempt, first step, last step)`` ranges
+        (:mod:`ledger.manifest`); ``None`` for a marker written without them."""
+        return self._extra.get("lineage")
+
+    @property
+    def manifest(self) -> tuple[str, str] | None:
+        """``(path, sha256)`` of the commit's manifest file; ``None`` when its marker
+        names none (written before manifests existed)."""
+        return self._extra.get("manifest")
+
+    def manifest_bytes(self) -> bytes:
+        """The Parquet bytes of the commit's manifest (computed once)."""
+        if "manifest_bytes" not in self._extra:
+            data = manifest_mod.encode(manifest_mod.table(self))
+            self._extra["manifest_bytes"] = data
+            self._extra["manifest"] = (manifest_mod.manifest_path(self.id), sha256(data))
+        return bytes(self._extra["manifest_bytes"])
 
     def state(self, rank: int) -> PipelineState:
         """State of ``rank`` after this commit.
@@ -421,9 +446,11 @@ class Commit:
         return (int(rows.shape[0]), int(rows.shape[1]))
 
     def to_json(self) -> bytes:
-        """The version-2 marker: the header plus the reference of the rank table."""
+        """The version-2 marker: the header plus the references of the rank table and the
+        manifest, and the lineage ranges when known."""
         data = self.table_bytes()
-        d = {
+        listing = self.manifest_bytes()
+        d: dict[str, Any] = {
             **self.header(),
             "version": SCHEMA_VERSION,
             "ranks": {
@@ -433,7 +460,14 @@ class Commit:
                 "shape": list(self._shape()),
                 "encoding": ranks_mod.ENCODING,
             },
+            "manifest": {
+                "path": manifest_mod.manifest_path(self.id),
+                "bytes": len(listing),
+                "sha256": sha256(listing),
+            },
         }
+        if self.lineage_ranges is not None:
+            d["lineage"] = [list(r) for r in self.lineage_ranges]
         return _dump(d)
 
     @classmethod
@@ -475,12 +509,20 @@ COMMIT_NAME = re.compile(r"^[0-9]+-[0-9]+\.json$")
 """Names of commit markers under ``commits/``; other files there are ignored."""
 
 
-def new_commit(header: dict[str, Any], rows: np.ndarray) -> Commit:
+def new_commit(
+    header: dict[str, Any], rows: np.ndarray, parent_ranges: manifest_mod.Ranges | None = None
+) -> Commit:
     """A commit to write: ``header`` (``id, step, attempt, parent, world_size,
     created_at``) and its rank table's rows (:func:`ledger.ranks.from_rows` or
-    :func:`ledger.ranks.build`)."""
+    :func:`ledger.ranks.build`). ``parent_ranges``: the parent's lineage ranges when the
+    caller has them (else :func:`write_commit` reads the parent's marker)."""
     ranks = RankTable(rows, int(header["attempt"]))
-    return Commit(**header, segments=_Lazy(ranks.segments), states=ranks, ranks=ranks)
+    commit = Commit(**header, segments=_Lazy(ranks.segments), states=ranks, ranks=ranks)
+    if parent_ranges is not None or header["parent"] is None:
+        commit._extra["lineage"] = manifest_mod.extend(
+            parent_ranges, commit.attempt, commit.step
+        )
+    return commit
 
 
 class _Lazy(Sequence[SegmentRef]):
@@ -571,15 +613,45 @@ def write_commit(store: Store, commit: Commit) -> None:
         retry overwrites it with the same bytes, and readers never read it without the
         marker (which names its SHA-256).
 
+    The manifest (:mod:`ledger.manifest`) is written the same way, after the rank table:
+    the marker names both with their SHA-256, so both are committed with it. The
+    lineage ranges are the parent's extended; a commit built without them reads the
+    parent's marker (and, once, walks a lineage written before ranges existed).
+
     Raises:
         CommitConflict: if a marker with this id and other contents exists already.
         StorageError: if the write fails. On an object store the marker may exist all the
             same (the reply was lost); :func:`marker_landed` tells, and a retry with the
             same ``commit`` succeeds either way.
+        LogCorrupted: if the parent's marker (read only for a commit built without its
+            parent's lineage ranges) is damaged.
     """
+    if commit.lineage_ranges is None:
+        commit._extra["lineage"] = _ranges_after(store, commit)
     data = commit.table_bytes()
     store.write_atomic(ranks_path(commit.id), data)
+    store.write_atomic(manifest_mod.manifest_path(commit.id), commit.manifest_bytes())
     store.create_exclusive(marker_path(commit.id), commit.to_json())
+
+
+def lineage_ranges(store: Store, head: Commit) -> manifest_mod.Ranges:
+    """The lineage of ``head`` as ranges: its marker's, or computed by walking the chain
+    (markers written before ranges existed)."""
+    if head.lineage_ranges is not None:
+        return head.lineage_ranges
+    ranges: manifest_mod.Ranges | None = None
+    for c in lineage(store, head.id, known={head.id: head}):
+        ranges = manifest_mod.extend(ranges, c.attempt, c.step)
+    assert ranges is not None
+    return ranges
+
+
+def _ranges_after(store: Store, commit: Commit) -> manifest_mod.Ranges:
+    """The lineage ranges of ``commit``, from its parent's marker."""
+    if commit.parent is None:
+        return manifest_mod.extend(None, commit.attempt, commit.step)
+    parent = read_commit(store, commit.parent)
+    return manifest_mod.extend(lineage_ranges(store, parent), commit.attempt, commit.step)
 
 
 def marker_landed(store: Store, commit: Commit) -> bool:
@@ -794,7 +866,32 @@ def parse_marker_v2(store: Store, cid: str, data: dict[str, Any]) -> Commit:
         ranks=table,
         version=2,
         _blob=[blob],
+        _extra=_manifest_fields(data, cid, where),
     )
+
+
+def _manifest_fields(data: dict[str, Any], cid: str, where: str) -> dict[str, Any]:
+    """The optional ``manifest`` and ``lineage`` fields of a version-2 marker."""
+    extra: dict[str, Any] = {}
+    if "manifest" in data:
+        ref = obj(data["manifest"], f"{where}, field 'manifest'")
+        inner = f"{where}, field 'manifest'"
+        path = relative_path(ref, "path", inner)
+        if path != manifest_mod.manifest_path(cid):
+            raise LogCorrupted(f"{inner}: path {path!r} is not {manifest_mod.manifest_path(cid)}")
+        extra["manifest"] = (path, sha256_hex(ref, "sha256", inner))
+    if "lineage" in data:
+        ranges = []
+        for r in items(data, "lineage", where):
+            if not (
+                isinstance(r, list) and len(r) == 3 and all(_is_int(v) and v >= 0 for v in r)
+            ):
+                raise LogCorrupted(f"{where}: field 'lineage' holds {r!r}, not 3 integers")
+            ranges.append((r[0], r[1], r[2]))
+        if not ranges:
+            raise LogCorrupted(f"{where}: field 'lineage' is empty")
+        extra["lineage"] = tuple(ranges)
+    return extra
 
 
 def list_commits(store: Store) -> list[Commit]:

@@ -400,7 +400,8 @@ class Ledger:
             "world_size": self.world_size,
             "created_at": now_iso(),
         }
-        return new_commit(header, from_rows(rows, parent))
+        ranges = self.head.lineage_ranges if self.head is not None else None
+        return new_commit(header, from_rows(rows, parent), ranges)
 
     def _committed(self, commit: Commit) -> Commit:
         assert self.attempt is not None and self._journal is not None

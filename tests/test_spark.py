@@ -1,0 +1,238 @@
+"""The audit on Spark (local mode) answers exactly what the DuckDB audit answers.
+
+One SparkSession for the module (starting one takes tens of seconds). On each log --
+the log factory's example (version-1 markers, an orphan, an abandoned branch, a
+duplicate), a map-style run with a resume, uncommitted batches and a compaction, a packed
+stream with two workers, and a hand-built log of three ranks with an uneven rank, an
+elastic resume, an orphan segment and an orphan manifest -- every view's rows, the summary
+and every check equal DuckDB's. Skipped only when pyspark or Java is missing; CI sets
+``LEDGER_REQUIRE_SPARK=1`` so that a missing one fails instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pyarrow as pa
+import pytest
+from conftest import packed_stream
+from logfactory import example_log
+from test_compaction import history
+
+import ledger
+from ledger import ranks
+from ledger.audit import connect, summarize
+from ledger.audit.checks import check, verify
+from ledger.audit.names import CHECKS
+from ledger.commits import (
+    PipelineState,
+    SegmentRef,
+    claim_attempt,
+    commit_id,
+    new_commit,
+    open_run,
+    write_commit,
+)
+from ledger.compaction import compact
+from ledger.schema import EVENT_SCHEMA
+from ledger.segments import encode, segment_path
+from ledger.store import Store, sha256
+from ledger.testing import take
+
+_REQUIRED = os.environ.get("LEDGER_REQUIRE_SPARK") == "1"
+
+
+def _spark_or_skip():
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        if _REQUIRED:
+            raise
+        pytest.skip("pyspark is not installed (pip install 'ledger[spark]')")
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        if _REQUIRED:
+            pytest.fail("java is missing: tools/setup.sh installs openjdk-17-jre-headless")
+        pytest.skip("java is not installed")
+    from ledger.audit import spark as engine
+
+    session = engine.session("local[1]", "ledger-tests")
+    session.sparkContext.setLogLevel("ERROR")
+    for key, value in {
+        "spark.sql.shuffle.partitions": "1",
+        "spark.default.parallelism": "1",
+    }.items():
+        session.conf.set(key, value)
+    return engine, session
+
+
+@pytest.fixture(scope="module")
+def spark():
+    engine, session = _spark_or_skip()
+    yield engine, session
+    session.stop()
+
+
+VIEWS = ("events", "lineage", "commits", "segments", "states", "attempts", "run",
+         "uncommitted", "journals")  # fmt: skip
+
+
+def assert_same(spark, root: str, head: str | None = None) -> None:
+    """Every view, the summary and every check of ``root`` at ``head``: Spark == DuckDB."""
+    engine, session = spark
+    got_head = engine.register(session, root, head)
+    con = connect(root, head)
+    try:
+        for view in VIEWS:
+            want = sorted(con.sql(f"SELECT * FROM {view}").fetchall(), key=repr)
+            got = sorted((tuple(r) for r in session.sql(f"SELECT * FROM {view}").collect()), key=repr)
+            assert got == want, view
+            columns = [d[0] for d in con.sql(f"SELECT * FROM {view} LIMIT 0").description]
+            assert session.table(view).columns == columns, view
+    finally:
+        con.close()
+    summary = engine.summarize(session, root, head)
+    assert summary.head == got_head
+    assert summary == summarize(root, head)
+    got = engine.check(session, root, CHECKS, head=head, summary=summary)
+    assert got == check(root, CHECKS, head=head)
+
+
+# ---------------------------------------------------------------- the logs
+
+
+def test_example_log_version_1_markers_orphan_abandoned_duplicate(spark, tmp_path):
+    root = str(tmp_path / "log")
+    example_log(tmp_path / "log")
+    assert_same(spark, root)
+    assert_same(spark, root, "000000000005-0000")  # the abandoned branch as head
+
+
+def test_resumed_compacted_run_with_uncommitted_batches(spark, tmp_path):
+    root = str(tmp_path / "log")
+    history(root)
+    assert compact(root, target_rows=20).segments == 4
+    assert_same(spark, root)
+    # A lineage that ends inside a compacted file: only its commits' row groups count.
+    assert_same(spark, root, "000000000002-0000")
+
+
+def test_packed_stream_with_two_workers(spark, tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for s in range(3):
+        with open(shards / f"part-{s}.jsonl", "w") as f:
+            for i in range(5 + s):
+                f.write(f'{{"text": "shard {s} doc {i} {"x" * (3 * i)}"}}\n')
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(
+        packed_stream(str(shards), shuffle_buffer=3),
+        batch_size=2,
+        shuffle=True,
+        seed=5,
+        log=root,
+        num_workers=2,
+    )
+    for done, _ in enumerate(take(loader, 9), 1):
+        if done % 3 == 0:
+            loader.state_dict()
+    assert_same(spark, root)
+
+
+N, BATCH = 12, 2
+
+
+def _write_segment(store: Store, attempt: int, rank: int, batches: list[tuple[int, int, int]]):
+    """Rank ``rank``'s segment holding ``(epoch, batch, first position)`` batches, at the
+    path of its last batch + 1 (its state's batch)."""
+    rows = [
+        {"attempt": attempt, "rank": rank, "worker": -1, "epoch": e, "batch": b,
+         "position": p + i, "sample_id": ((p + i) * 5 + e) % N, "kind": "sample"}
+        for e, b, p in batches for i in range(BATCH)
+    ]  # fmt: skip
+    data = encode(pa.Table.from_pylist(rows, schema=EVENT_SCHEMA))
+    rel = segment_path(attempt, rank, batches[-1][1] + 1)
+    store.write_atomic(rel, data)
+    return SegmentRef(rank, rel, len(rows), len(data), sha256(data))
+
+
+def _commit(store, attempt, parent, states, refs):
+    step = states[0].batch
+    header = {
+        "id": commit_id(step, attempt), "step": step, "attempt": attempt, "parent": parent,
+        "world_size": len(states), "created_at": f"2026-01-01T00:0{attempt}:{step:02d}+00:00",
+    }  # fmt: skip
+    commit = new_commit(header, ranks.build(states, refs, []))
+    write_commit(store, commit)
+    return commit.id
+
+
+def three_ranks(root: str) -> None:
+    """Attempt 0, 3 ranks (global batch 6, 2 steps per epoch): commit 2 (epoch 0 done),
+    commit 3 (rank 2 lags a batch: no segment), commit 4 (rank 2 catches up: its segment
+    is seg-3, under commit 4), then an orphan segment and an orphan manifest (a crash
+    before marker 5). Attempt 1 resumes from commit 3 with 2 ranks (commit 4-0000 is
+    abandoned) and commits at 5."""
+    store = Store(root)
+    config = {"dataset_len": N, "seed": 0, "shuffle": True, "batch_size": BATCH,
+              "drop_last": False, "world_size": 3, "order": "test"}  # fmt: skip
+    open_run(store, config)
+    a = claim_attempt(store, None, 3)
+
+    def pos(k: int, r: int, world: int = 3) -> int:
+        return (k % 2) * world * BATCH + r * BATCH
+
+    refs = [_write_segment(store, a, r, [(0, 0, pos(0, r)), (0, 1, pos(1, r))]) for r in range(3)]
+    c2 = _commit(store, a, None, [PipelineState(r, 1, 0, 2) for r in range(3)], refs)
+    refs = [_write_segment(store, a, r, [(1, 2, pos(2, r))]) for r in range(2)]
+    states = [PipelineState(0, 1, 1, 3), PipelineState(1, 1, 1, 3), PipelineState(2, 1, 0, 2)]
+    c3 = _commit(store, a, c2, states, refs)
+    refs = [_write_segment(store, a, r, [(1, 3, pos(3, r))]) for r in range(2)]
+    refs.append(_write_segment(store, a, 2, [(1, 2, pos(2, 2))]))  # seg-3 of rank 2
+    states = [PipelineState(0, 2, 0, 4), PipelineState(1, 2, 0, 4), PipelineState(2, 1, 1, 3)]
+    _commit(store, a, c3, states, refs)
+    _write_segment(store, a, 0, [(2, 4, 0)])  # orphan segment seg-5
+    store.write_atomic("manifest/000000000005-0000.parquet", b"PAR1 not committed")
+    b = claim_attempt(store, c3, 2)
+    refs = [_write_segment(store, b, r, [(1, 3, 4 + 4 * r), (2, 4, r * BATCH)]) for r in range(2)]
+    _commit(store, b, c3, [PipelineState(r, 2, 1, 5) for r in range(2)], refs)
+
+
+def test_three_ranks_uneven_elastic_orphans(spark, tmp_path):
+    root = str(tmp_path / "log")
+    three_ranks(root)
+    assert verify(root).ok
+    assert_same(spark, root)
+    assert_same(spark, root, "000000000004-0000")
+
+
+def test_an_altered_segment_fails_every_spark_check(spark, tmp_path):
+    engine, session = spark
+    root = str(tmp_path / "log")
+    three_ranks(root)
+    path = os.path.join(root, segment_path(0, 1, 2))
+    data = bytearray(open(path, "rb").read())
+    data[-9] ^= 1  # inside the footer's length-prefixed metadata: same size, other SHA-256
+    open(path, "wb").write(bytes(data))
+    results = engine.check(session, root, ["coverage", "progress"])
+    assert [r.ok for r in results] == [False, False]
+    assert "was altered" in results[0].detail and segment_path(0, 1, 2) in results[0].detail
+
+
+def test_manifest_ranges_match_the_walked_lineage(tmp_path):
+    """Without Spark: each marker's ranges select exactly the walked lineage."""
+    from ledger.commits import lineage, list_commits
+    from ledger.manifest import in_ranges
+
+    root = str(tmp_path / "log")
+    three_ranks(root)
+    store = Store(root)
+    commits = list_commits(store)
+    for c in commits:
+        walked = {x.id for x in lineage(store, c.id)}
+        assert c.lineage_ranges is not None
+        picked = {x.id for x in commits if in_ranges(c.lineage_ranges, x.attempt, x.step)}
+        assert picked == walked, c.id
+    by_id = {c.id: c for c in commits}
+    assert by_id["000000000005-0001"].lineage_ranges == ((0, 2, 3), (1, 5, 5))
+    assert by_id["000000000004-0000"].lineage_ranges == ((0, 2, 4),)
