@@ -67,6 +67,9 @@ class _Group(click.Group):
             duckdb = sys.modules.get("duckdb")  # loaded by any command that ran SQL
             if duckdb is not None and isinstance(e, duckdb.Error):
                 raise click.ClickException(_one_line(str(e))) from e
+            spark_errors = sys.modules.get("pyspark.errors")  # --engine spark: the user's SQL
+            if spark_errors is not None and isinstance(e, spark_errors.AnalysisException):
+                raise click.ClickException(_one_line(str(e))) from e
             if os.environ.get("LEDGER_DEBUG") == "1":
                 raise
             raise click.ClickException(
@@ -209,6 +212,20 @@ def _commit(root: str, text: str | None) -> str | None:
     metavar="SAMPLES",
     help="Limit of the skew check, in samples [default: the batch size].",
 )
+@click.option(
+    "--engine",
+    type=click.Choice(("duckdb", "spark")),
+    default="duckdb",
+    show_default=True,
+    help="Where the audit runs: DuckDB in this process, or Apache Spark (pip install "
+    "'ledger[spark]'; the same views, summary and checks, read through the manifest).",
+)
+@click.option(
+    "--master",
+    metavar="URL",
+    help="With --engine spark: the Spark master (local[4], yarn, spark://host:7077) "
+    "[default: what spark-submit configured, else local[*]].",
+)
 @output_options
 def audit(
     root: str,
@@ -218,6 +235,8 @@ def audit(
     allow_uncommitted: int,
     max_rows: int,
     max_skew: int | None,
+    engine: str,
+    master: str | None,
     fmt: str,
 ) -> None:
     """Summarise the log at ROOT, run checks on it, or run SQL over its views.
@@ -240,13 +259,19 @@ def audit(
         ledger audit /runs/exp7 --format csv \\
             --sql "SELECT epoch, count(*) AS samples FROM lineage GROUP BY 1"
         echo "SELECT * FROM commits" | ledger audit /runs/exp7 --sql - --format json
+        ledger audit s3a://bucket/runs/exp7 --engine spark --master yarn --check all
     """
     from ledger.audit import connect, summarize
     from ledger.audit.checks import check
 
     if checks and sql is not None:
         raise click.UsageError("--check and --sql cannot be combined")
+    if master is not None and engine != "spark":
+        raise click.UsageError("--master needs --engine spark")
     head = _commit(root, head)
+    if engine == "spark":
+        _audit_spark(root, sql, head, checks, allow_uncommitted, max_rows, max_skew, master, fmt)
+        return
     if checks:
         names = CHECKS if "all" in checks else tuple(dict.fromkeys(checks))
         with _progress("scanning segments") as progress:
@@ -279,6 +304,52 @@ def audit(
             _print_rows(columns, _fetch(cursor), fmt, max_rows=max_rows)
     finally:
         con.close()
+
+
+def _audit_spark(
+    root: str,
+    sql: str | None,
+    head: str | None,
+    checks: tuple[str, ...],
+    allow_uncommitted: int,
+    max_rows: int,
+    max_skew: int | None,
+    master: str | None,
+    fmt: str,
+) -> None:
+    """``ledger audit --engine spark``: the same outputs, computed on Spark."""
+    from ledger.audit import spark as engine
+
+    with _progress("starting Spark"):
+        session = engine.session(master)
+        session.sparkContext.setLogLevel("ERROR")
+    if checks:
+        names = CHECKS if "all" in checks else tuple(dict.fromkeys(checks))
+        with _progress("running checks on Spark"):
+            results = engine.check(
+                session,
+                root,
+                names,
+                head=head,
+                max_skew=max_skew,
+                allow_uncommitted=allow_uncommitted,
+            )
+        _print_checks(results, fmt)
+        if not all(r.ok for r in results):
+            sys.exit(CHECK_FAILED)
+        return
+    if sql is None:
+        with _progress("summarising on Spark"):
+            s = engine.summarize(session, root, head)
+        _print_summary(s, fmt)
+        return
+    if sql == "-":
+        sql = sys.stdin.read()
+    with _progress("running query on Spark"):
+        engine.register(session, root, head)
+        frame = session.sql(sql)
+        rows = [tuple(r) for r in frame.toLocalIterator()]
+    _print_rows(frame.columns, iter(rows), fmt, max_rows=max_rows)
 
 
 def _fetch(cursor: duckdb.DuckDBPyConnection) -> Iterator[tuple[Any, ...]]:

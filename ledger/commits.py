@@ -519,9 +519,7 @@ def new_commit(
     ranks = RankTable(rows, int(header["attempt"]))
     commit = Commit(**header, segments=_Lazy(ranks.segments), states=ranks, ranks=ranks)
     if parent_ranges is not None or header["parent"] is None:
-        commit._extra["lineage"] = manifest_mod.extend(
-            parent_ranges, commit.attempt, commit.step
-        )
+        commit._extra["lineage"] = manifest_mod.extend(parent_ranges, commit.attempt, commit.step)
     return commit
 
 
@@ -883,9 +881,7 @@ def _manifest_fields(data: dict[str, Any], cid: str, where: str) -> dict[str, An
     if "lineage" in data:
         ranges = []
         for r in items(data, "lineage", where):
-            if not (
-                isinstance(r, list) and len(r) == 3 and all(_is_int(v) and v >= 0 for v in r)
-            ):
+            if not (isinstance(r, list) and len(r) == 3 and all(_is_int(v) and v >= 0 for v in r)):
                 raise LogCorrupted(f"{where}: field 'lineage' holds {r!r}, not 3 integers")
             ranges.append((r[0], r[1], r[2]))
         if not ranges:

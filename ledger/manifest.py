@@ -27,8 +27,8 @@ unnamed manifest (like an orphan segment, nobody reads it: engines take the rows
 commits whose marker exists), after it a complete one. ``ledger verify`` checks every
 manifest against its marker and every lineage against the parent links
 (:func:`check`). Logs written before the manifest existed (or version-1 markers) have
-none; :func:`table` builds the same rows from the marker, and ``ledger manifest ROOT``
-writes the missing files (:func:`backfill`).
+none; :func:`table` builds the same rows from the marker (what the Spark audit does for
+them). Markers are never rewritten, so such commits stay without a named manifest.
 
 Segments retired by a compaction (:mod:`ledger.compaction`) are read from the compacted
 files, whose rows carry ``commit_id`` and ``step`` columns; the compaction's
@@ -46,8 +46,10 @@ point of commit, and the lineage is ranges instead of a replayed list.
 from __future__ import annotations
 
 import binascii
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -165,6 +167,7 @@ def encode(table: pa.Table) -> bytes:
         compression="zstd",
         use_dictionary=["commit_id", "path"],
         write_statistics=True,
+        store_schema=False,  # the Parquet types are the schema; saves ~1 KB per commit
     )
     return bytes(sink.getvalue().to_pybytes())
 
@@ -200,13 +203,13 @@ def read(store: Store, cid: str, digest: str) -> pa.Table:
         data = store.read_bytes(rel)
     except FileNotFoundError as e:
         raise LogCorrupted(
-            f"{store.full(rel)}, the manifest of commit {cid}, is missing: restore it, or "
-            "run `ledger manifest ROOT` to write it again from the marker"
+            f"{store.full(rel)}, the manifest of commit {cid}, is missing: restore it from a "
+            "backup (its content is manifest.table() of the marker)"
         ) from e
     if sha256(data) != digest:
         raise LogCorrupted(
             f"{store.full(rel)} has another SHA-256 than commit {cid} names: it was altered; "
-            "run `ledger manifest ROOT` to write it again from the marker"
+            "restore it from a backup"
         )
     try:
         found = pq.read_table(pa.BufferReader(data))
@@ -273,7 +276,7 @@ def check(store: Store, commits: Sequence[object]) -> list[str]:
     """
     from ledger.commits import Commit
 
-    by_id: dict[str, Commit] = {}
+    by_id: dict[str, Any] = {}
     for c in commits:
         assert isinstance(c, Commit)
         by_id[c.id] = c
@@ -286,21 +289,48 @@ def check(store: Store, commits: Sequence[object]) -> list[str]:
                     problems.append(f"manifest of {c.id} differs from its marker's rank table")
             except LogCorrupted as e:
                 problems.append(str(e))
-        if c.lineage is not None:
+        if c.lineage_ranges is not None:
             parent = by_id.get(c.parent) if c.parent is not None else None
-            if c.parent is not None and (parent is None or parent.lineage is None):
-                continue  # a parent without ranges: checked against the walked chain below
-            if c.lineage != extend(parent.lineage if parent else None, c.attempt, c.step):
-                problems.append(f"lineage ranges of {c.id} do not extend its parent's")
-    by_attempt: dict[int, list[Commit]] = {}
+            if parent is not None and parent.lineage_ranges is not None:
+                want: Ranges | None = extend(parent.lineage_ranges, c.attempt, c.step)
+            else:  # the first commit, or a parent written before ranges: walk the chain
+                want = _walk(by_id, c)
+            if want is not None and c.lineage_ranges != want:
+                problems.append(
+                    f"lineage ranges of {c.id} are {list(c.lineage_ranges)}, its chain "
+                    f"gives {list(want)}"
+                )
+    by_attempt: dict[int, list[Any]] = {}
     for c in by_id.values():
         by_attempt.setdefault(c.attempt, []).append(c)
     for attempt, mine in by_attempt.items():
         mine.sort(key=lambda c: c.step)
-        for prev, cur in zip(mine, mine[1:], strict=False):
+        for prev, cur in itertools.pairwise(mine):
             if cur.parent != prev.id:
                 problems.append(
                     f"attempt {attempt} does not commit along one chain: {cur.id}'s parent is "
                     f"{cur.parent}, not {prev.id}"
                 )
     return problems
+
+
+def _walk(by_id: dict[str, Any], head: Any) -> Ranges | None:
+    """The ranges of ``head``'s chain, walked through ``by_id`` (``None``: the chain is
+    broken or loops; the ``chain`` check reports that)."""
+    chain = []
+    seen: set[str] = set()
+    cur = head
+    while cur is not None:
+        if cur.id in seen:
+            return None
+        seen.add(cur.id)
+        chain.append(cur)
+        if cur.parent is None:
+            break
+        cur = by_id.get(cur.parent)
+        if cur is None:
+            return None
+    ranges: Ranges | None = None
+    for c in reversed(chain):
+        ranges = extend(ranges, c.attempt, c.step)
+    return ranges

@@ -27,11 +27,15 @@ belong in a report, never in a test):
 5. Commit latency and throughput to S3 (a local ``rclone serve s3``, or the server of
    ``LEDGER_S3_ENDPOINT``) vs local disk: one epoch with commits every K and every 10
    batches (:func:`object_store_table`).
+6. The manifest's share of a commit (:mod:`ledger.manifest`): rank 0 writing a marker
+   (rank table, manifest, marker) at 1, 1,000 and 10,000 ranks, against the manifest's
+   part alone (``--manifest`` runs only this).
 
 Example:
     python tools/bench.py            # the full run (about 8-10 minutes on 2 cores)
     python tools/bench.py --audit    # the audit of 10^8 events (about 2 minutes)
     python tools/bench.py --quick    # a smaller run (about 1 minute)
+    python tools/bench.py --manifest # the manifest's cost on the commit path (seconds)
 """
 
 from __future__ import annotations
@@ -583,6 +587,55 @@ def digest_cost(cfg: Config) -> dict[str, float]:
     return {"hash": hash_us, "record": recorded[False], "record+digest": recorded[True]}
 
 
+def manifest_cost(base: str, worlds: tuple[int, ...] = (1, 1000, 10_000), repeat: int = 7) -> Table:
+    """Rank 0's marker write (:func:`ledger.commits.write_commit`: rank table, manifest,
+    marker; the segments are the ranks' own PUTs, not timed) against the manifest's part
+    (build its table, encode, write), best of ``repeat``, local disk."""
+    from ledger import manifest
+    from ledger.commits import PipelineState, SegmentRef, commit_id, new_commit, write_commit
+    from ledger.ranks import NEWS, from_rows, pack
+    from ledger.segments import segment_path
+
+    t = Table(title="6. The manifest's share of a commit (rank 0, local disk, best of 7)")
+    for col in ("ranks", "marker write ms", "manifest part ms", "share", "manifest B/rank"):
+        t.add_column(col, justify="right")
+    rng = np.random.default_rng(0)
+    for world in worlds:
+        root = tempfile.mkdtemp(prefix="ledger-bench-manifest-", dir=base)
+        store = Store(root)
+        step = 8
+        rows = np.stack(
+            [
+                pack(
+                    PipelineState(r, 0, step, step),
+                    SegmentRef(r, segment_path(0, r, step), 1000, 20_000, rng.bytes(32).hex()),
+                    NEWS,
+                )
+                for r in range(world)
+            ]
+        )
+        full, part, size = [], [], 0
+        for k in range(repeat):
+            header = {
+                "id": commit_id(step, k), "step": step, "attempt": k, "parent": None,
+                "world_size": world, "created_at": "2026-01-01T00:00:00+00:00",
+            }  # fmt: skip
+            commit = new_commit(header, from_rows(rows, None), None)
+            t0 = time.perf_counter()
+            write_commit(store, commit)
+            full.append(time.perf_counter() - t0)
+            fresh = new_commit(header, from_rows(rows, None), None)
+            t0 = time.perf_counter()
+            data = manifest.encode(manifest.table(fresh))
+            store.write_atomic(f"bench/{k}.parquet", data)
+            part.append(time.perf_counter() - t0)
+            size = len(data)
+        shutil.rmtree(root, ignore_errors=True)
+        f, m = min(full) * 1e3, min(part) * 1e3
+        t.add_row(f"{world:,}", f"{f:.2f}", f"{m:.2f}", f"{m / f:.0%}", f"{size / world:.1f}")
+    return t
+
+
 def digest_table(cfg: Config, d: dict[str, float]) -> Table:
     t = Table(title=f"4. The digest's cost per batch of {cfg.batch_size} (µs, mean of 2,000)")
     for col in ("measured", "µs/batch"):
@@ -655,6 +708,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tmpdir", help="where the log roots go (default: the system temp dir)")
     p.add_argument(
+        "--manifest",
+        action="store_true",
+        help="instead: only the manifest's share of a commit (table 6)",
+    )
+    p.add_argument(
         "--audit",
         action="store_true",
         help="instead: audit a log of 10^8 events (tools/bench_audit.py; --root DIR after it)",
@@ -682,6 +740,9 @@ def main(argv: list[str] | None = None) -> None:
 
         audit(args[1:])
         return
+    if args[:1] == ["--manifest"]:
+        Console(width=120).print(manifest_cost(tempfile.gettempdir()))
+        return
     cfg, tmpdir = parse_args(argv)
     console = Console()
     if console.width < 120:  # piped output: rich would wrap the tables at 80 columns
@@ -701,6 +762,7 @@ def main(argv: list[str] | None = None) -> None:
         hf = throughput(hf_cfg, roots, console)
         ttfb = resume_ttfb(cfg, roots, console)
         digest = digest_cost(cfg)
+        manifest_share = manifest_cost(roots.base)
         paths = bench_stream.make_shards(roots.base, *((8, 5000) if cfg.quick else (16, 10_000)))
         stream_main, stream_us = bench_stream.main_process_work(paths, roots.base, 8)
         stream_tp, stream = bench_stream.throughput(
@@ -717,6 +779,7 @@ def main(argv: list[str] | None = None) -> None:
     console.print(ttfb_table(cfg, ttfb))
     console.print(bytes_table(cfg, nbytes, bare))
     console.print(digest_table(cfg, digest))
+    console.print(manifest_share)
     console.print(goals_table(cfg, best, hf, stream, stream_us, digest, ttfb, nbytes))
     console.print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     console.print(object_store_table(cfg, tmpdir, console))

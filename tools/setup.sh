@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Set-up on a fresh machine: the pinned CPU torch first (a local wheel here; an unpinned
-# torch would download several GB), then ledger with its dev and s3 extras.
+# torch would download several GB), then ledger with its dev and s3 extras; Java 17 for
+# the Spark audit's tests (pyspark in local mode) when no java is on the PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v java >/dev/null 2>&1; then
+    SUDO=$([ "$(id -u)" -eq 0 ] || echo sudo)
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openjdk-17-jre-headless
+fi
 python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 python -m pip install --quiet --disable-pip-version-check -e ".[dev]"

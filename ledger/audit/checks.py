@@ -13,6 +13,7 @@ from typing import Any
 
 import duckdb
 
+from ledger import manifest
 from ledger.audit.names import CHECKS
 from ledger.audit.scan import Progress, ScanResult, scan
 from ledger.audit.summary import (
@@ -274,7 +275,8 @@ class Verification:
 
     Attributes:
         results: one per check: ``markers``, ``chain``, ``segments``, ``duplicates``,
-            ``orphans`` (orphans are reported, not failures: replay ignores them).
+            ``orphans`` (orphans are reported, not failures: replay ignores them),
+            ``manifest``.
         segments: segment files checked.
         events: rows in them.
         bytes: their total size (bytes).
@@ -302,6 +304,9 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
       its own attempt and rank (Parquet statistics).
     - ``duplicates``: no sample consumed twice in an epoch of the default head's lineage.
     - ``orphans``: segment files no marker names (reported; replay ignores them).
+    - ``manifest``: every manifest file a marker names (:mod:`ledger.manifest`) has the
+      SHA-256 the marker names and the rows of its rank table; every marker's lineage
+      ranges extend its parent's; each attempt commits along one chain.
 
     Args:
         root: the log root.
@@ -373,7 +378,21 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
             else "no orphan segments",
         )
     )
+    results.append(_manifest(store, commits))
     return Verification(tuple(results), len(refs), events, nbytes)
+
+
+def _manifest(store: Store, commits: list[Commit]) -> CheckResult:
+    """The ``manifest`` check: every manifest its marker names matches the marker, and
+    every lineage's ranges select exactly its chain (:func:`ledger.manifest.check`)."""
+    problems = manifest.check(store, commits)
+    if problems:
+        return CheckResult("manifest", False, f"{len(problems)} bad: " + "; ".join(problems[:3]))
+    named = sum(c.manifest is not None for c in commits)
+    older = f"; {len(commits) - named} older markers name none" if named < len(commits) else ""
+    return CheckResult(
+        "manifest", True, f"{named} manifests match their markers' rank tables{older}"
+    )
 
 
 def verify_data(

@@ -77,13 +77,19 @@ SPARK_VIEWS = (
 _SEGMENT = re.compile(r"^events/attempt=[^/]+/rank=[^/]+/[^/]+\.parquet$")
 
 
-def session(master: str | None = None, app_name: str = "ledger-audit") -> SparkSession:
+def session(
+    master: str | None = None,
+    app_name: str = "ledger-audit",
+    config: dict[str, str] | None = None,
+) -> SparkSession:
     """A Spark session for an audit: the active one, or a new one.
 
     Args:
         master: the master URL (``local[4]``, ``yarn``, ``spark://host:7077``); ``None``:
             what ``spark-submit`` or ``spark-defaults.conf`` configured, else ``local[*]``.
         app_name: the application's name.
+        config: further Spark settings (``{"spark.sql.shuffle.partitions": "8"}``),
+            applied when the session is created.
 
     Returns:
         The session, with the session time zone UTC (the views' timestamps are UTC).
@@ -100,6 +106,8 @@ def session(master: str | None = None, app_name: str = "ledger-audit") -> SparkS
     builder = SparkSession.builder.appName(app_name).config("spark.sql.session.timeZone", "UTC")
     if master is not None:
         builder = builder.master(master)
+    for key, value in (config or {}).items():
+        builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.conf.set("spark.sql.session.timeZone", "UTC")
     return spark
@@ -132,7 +140,7 @@ def _types() -> dict[str, Any]:
     }
 
 
-class _Types(dict):  # type: ignore[type-arg]
+class _Types(dict[str, Any]):
     """Arrow type names -> Spark types, built on first use (pyspark is imported late)."""
 
     def __missing__(self, key: str) -> Any:
@@ -213,12 +221,8 @@ def register(spark: SparkSession, root: str, head: str | None = None) -> str | N
     ).createOrReplaceTempView("states")
     events = _events(spark, store, root, commits)
     events.createOrReplaceTempView("events")
-    where = " OR ".join(
-        f"(attempt = {a} AND step BETWEEN {lo} AND {hi})" for a, lo, hi in ranges
-    )
-    spark.sql(f"SELECT * FROM events WHERE {where or 'false'}").createOrReplaceTempView(
-        "lineage"
-    )
+    where = " OR ".join(f"(attempt = {a} AND step BETWEEN {lo} AND {hi})" for a, lo, hi in ranges)
+    spark.sql(f"SELECT * FROM events WHERE {where or 'false'}").createOrReplaceTempView("lineage")
     return head
 
 
@@ -335,7 +339,9 @@ def summarize(
     store = Store(_fsspec_uri(root))
     if checksums:
         _check_checksums(spark, store, root)
-    run_id, dataset_len = _one(spark, "SELECT run_id, dataset_len FROM run")
+    run = read_run(store)
+    run_id: str = run["run_id"]
+    dataset_len = run.get("config", {}).get("dataset_len")
     spark.sql(
         f"""
         SELECT s.commit_id, s.step, s.attempt, s.rank, s.path, s.rows,
@@ -353,7 +359,7 @@ def summarize(
     outside = spark.sql(
         f"""
         SELECT sample_id, commit_id, rank FROM lineage
-        WHERE (kind = 'skip' OR {CONSUMED}) AND (sample_id < 0 OR sample_id >= {dataset_len})
+        WHERE (kind = 'skip' OR {CONSUMED}) AND (sample_id < 0 OR sample_id >= {dataset_len or 0})
         LIMIT 1
         """
     ).collect()
@@ -449,36 +455,47 @@ def summarize(
 
 def _check_checksums(spark: SparkSession, store: Store, root: str) -> None:
     """Every committed file (segment or compacted file) has the size and SHA-256 its
-    marker or compaction names; hashed by the executors (``sha2`` over ``binaryFile``)."""
+    marker or compaction names: hashed by the executors (``sha2`` over ``binaryFile``) and
+    compared in one join, so no per-file list comes back to the driver."""
     from pyspark.sql import functions as F
 
-    expected: dict[str, tuple[int, str]] = {}
-    for path, length, digest in spark.sql("SELECT path, bytes, sha256 FROM segments").collect():
-        expected[path] = (int(length), str(digest))
     files = {f.path: f for c in list_compactions(store) for f in c.files}
     listed = manifest.files(store, list_commits(store))
     wanted = [p for p, _, _ in listed.segments] + [p for p, _ in listed.compacted]
-    for path, _ in listed.compacted:
-        expected[path] = (files[path].bytes, files[path].sha256)
     if not wanted:
         return
+    compacted = pa.table(
+        {
+            "path": [p for p, _ in listed.compacted],
+            "bytes": [files[p].bytes for p, _ in listed.compacted],
+            "sha256": [files[p].sha256 for p, _ in listed.compacted],
+        },
+        schema=pa.schema([("path", pa.string()), ("bytes", pa.int64()), ("sha256", pa.string())]),
+    )
+    expected = spark.sql("SELECT path, bytes, sha256 FROM segments")
+    if compacted.num_rows:
+        expected = expected.unionByName(_frame(spark, compacted))
     found = (
         spark.read.format("binaryFile")
         .load([_spark_uri(root, p) for p in wanted])
         .select(
-            F.regexp_extract("path", r"(events/.+)$", 1).alias("rel"),
-            "length",
-            F.sha2("content", 256).alias("sha256"),
+            F.regexp_extract("path", r"(events/.+)$", 1).alias("path"),
+            F.col("length").alias("found_bytes"),
+            F.sha2("content", 256).alias("found_sha256"),
         )
+    )
+    bad = (
+        found.join(expected, "path")
+        .where("found_bytes <> bytes OR found_sha256 <> sha256")
+        .select("path")
+        .limit(1)
         .collect()
     )
-    for rel, length, digest in found:
-        want = expected.get(rel)
-        if want is not None and (int(length), str(digest)) != want:
-            raise LogCorrupted(
-                f"{store.full(rel)} has another size or SHA-256 than its marker or compaction "
-                "names: it was altered"
-            )
+    for (rel,) in bad:
+        raise LogCorrupted(
+            f"{store.full(rel)} has another size or SHA-256 than its marker or compaction "
+            "names: it was altered"
+        )
 
 
 def _ranks(spark: SparkSession, head: str) -> tuple[RankSummary, ...]:
