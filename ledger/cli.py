@@ -323,6 +323,13 @@ def _audit_spark(
     with _progress("starting Spark"):
         session = engine.session(master)
         session.sparkContext.setLogLevel("ERROR")
+    try:  # pyspark >= 4 logs a failing query as JSON on stderr; the error line says it
+        from pyspark.logger import PySparkLogger
+
+        for name in ("SQLQueryContextLogger", "DataFrameQueryContextLogger"):
+            PySparkLogger.getLogger(name).disabled = True
+    except ImportError:
+        pass
     if checks:
         names = CHECKS if "all" in checks else tuple(dict.fromkeys(checks))
         with _progress("running checks on Spark"):
