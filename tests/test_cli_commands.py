@@ -337,6 +337,8 @@ def test_verify_table(root: str) -> None:
         "│ duplicates │ FAIL   │ epoch 1: 1 duplicates                                  │\n"
         "│ orphans    │ pass   │ 1 orphan segments, ignored by replay                   │\n"
         "│            │        │ (events/attempt=0/rank=0/seg-000000000006.parquet ...) │\n"
+        "│ manifest   │ pass   │ 0 manifests match their markers' rank tables; 6 older  │\n"
+        "│            │        │ markers name none                                      │\n"
         "└────────────┴────────┴────────────────────────────────────────────────────────┘\n"
         f"5 segments, 26 events, {_size(root)} bytes\n"
     )
@@ -359,7 +361,9 @@ def test_verify_a_clean_log_and_a_tampered_one(tmp_path: Path) -> None:
     loader.state_dict()
     result = run("verify", root, "--format", "json")
     assert result.exit_code == 0, result.output
-    assert [r["ok"] for r in json.loads(result.stdout)] == [True] * 5
+    checks = json.loads(result.stdout)
+    assert [r["ok"] for r in checks] == [True] * 6
+    assert checks[-1]["check"] == "manifest"
     segment = sorted(Path(root, "events").rglob("*.parquet"))[0]
     data = bytearray(segment.read_bytes())
     data[len(data) // 2] ^= 0xFF
