@@ -890,19 +890,32 @@ def _manifest_fields(data: dict[str, Any], cid: str, where: str) -> dict[str, An
     return extra
 
 
-def list_commits(store: Store) -> list[Commit]:
+def list_commits(store: Store, *, catalog: bool = True) -> list[Commit]:
     """Every commit marker under the root, sorted by (attempt, step).
 
-    Files under ``commits/`` whose names are not commit ids are ignored.
+    Files under ``commits/`` whose names are not commit ids are ignored. The listing of
+    ``commits/`` says which commits exist; a commit that a compaction's catalog holds
+    (:func:`ledger.compaction.catalogued`) is taken from it instead of its marker and
+    rank table (the same contents: markers never change), so a compacted history costs
+    one file, not two per commit.
+
+    Args:
+        store: the log root.
+        catalog: ``False`` reads every marker itself (``ledger verify``).
 
     Raises:
-        LogCorrupted: if a marker is damaged (see :func:`read_commit`).
+        LogCorrupted: if a marker is damaged (see :func:`read_commit`), or a catalog.
     """
-    out = [
-        read_commit(store, name[: -len(".json")])
-        for name in store.ls("commits")
-        if COMMIT_NAME.match(name)
-    ]
+    known: dict[str, Commit] = {}
+    if catalog:
+        from ledger.compaction import catalogued  # compaction imports this module
+
+        known = catalogued(store)
+    out = []
+    for name in store.ls("commits"):
+        if COMMIT_NAME.match(name):
+            cid = name[: -len(".json")]
+            out.append(known.get(cid) or read_commit(store, cid))
     return sorted(out, key=lambda c: (c.attempt, c.step))
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -40,6 +41,7 @@ from ledger.commits import (
     default_head,
     lineage,
     list_commits,
+    new_commit,
     newest_segments,
     now_iso,
     parsing_once,
@@ -115,6 +117,8 @@ class Compaction:
         created_at: ISO 8601 UTC time.
         files: the files it wrote.
         pieces: original segment path -> where its rows are.
+        catalog: ``{"path", "bytes", "sha256"}`` of its catalog of commit markers
+            (:data:`CATALOG_SCHEMA`), ``None`` for a compaction written before catalogs.
     """
 
     id: str
@@ -122,6 +126,7 @@ class Compaction:
     created_at: str
     files: tuple[CompactedFile, ...]
     pieces: dict[str, Piece]
+    catalog: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------ reading
@@ -146,6 +151,9 @@ def read_compaction(store: Store, cid: str) -> Compaction:
         ref = data["pieces"]
         blob = store.read_bytes(ref["path"])
         before, created = str(data["before"]), str(data["created_at"])
+        catalog = data.get("catalog")
+        if catalog is not None:
+            catalog = {"path": str(catalog["path"]), "sha256": str(catalog["sha256"])}
     except FileNotFoundError as e:
         raise LogCorrupted(f"{store.full(rel)} names a missing file: {e}") from e
     except (ValueError, KeyError, TypeError) as e:
@@ -166,14 +174,118 @@ def read_compaction(store: Store, cid: str) -> Compaction:
             table["sha256"][i],
             table["commit_id"][i],
         )
-    return Compaction(cid, before, created, files, pieces)
+    return Compaction(cid, before, created, files, pieces, catalog)
 
 
 def list_compactions(store: Store) -> list[Compaction]:
-    """Every compaction marker under the root, oldest first."""
+    """Every compaction marker under the root, oldest first. Read once per command
+    inside :func:`ledger.commits.parse_once`."""
+    cache = command_cache()
+    key = ("compactions", store.uri)
+    if cache is not None and key in cache:
+        return list(cache[key])
     names = [n for n in store.ls("compactions") if n.endswith(".json")]
     found = [read_compaction(store, n[: -len(".json")]) for n in names]
-    return sorted(found, key=lambda c: (c.created_at, c.id))
+    found.sort(key=lambda c: (c.created_at, c.id))
+    if cache is not None:
+        cache[key] = tuple(found)
+    return found
+
+
+CATALOG_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("attempt", pa.int64(), nullable=False),
+        pa.field("parent", pa.string()),
+        pa.field("world_size", pa.int64(), nullable=False),
+        pa.field("created_at", pa.string(), nullable=False),
+        pa.field("width", pa.int64(), nullable=False),
+        pa.field("ranks", pa.large_list(pa.int64()), nullable=False),
+    ]
+)
+"""Columns of ``compactions/<id>.commits.parquet``, the catalog of a compaction: one row
+per version-2 commit marker present when it ran (all branches), with the marker's
+header and its rank table (``world_size x width`` integers, row-major, the layout of
+:mod:`ledger.ranks`). Markers never change once written, so a command reads the catalog
+(one file) instead of one marker and one rank table per commit: an audit of a compacted
+history of 10^4 commits reads 3 files, not 2·10^4."""
+
+
+def catalogued(store: Store) -> dict[str, Commit]:
+    """The commits the compactions' catalogs hold, by id (empty when none). Read once
+    per command inside :func:`ledger.commits.parse_once`.
+
+    Raises:
+        LogCorrupted: if a catalog is missing, differs from the SHA-256 its compaction
+            names, or is malformed.
+    """
+    cache = command_cache()
+    key = ("catalog", store.uri)
+    if cache is not None and key in cache:
+        return dict(cache[key])
+    out: dict[str, Commit] = {}
+    for comp in list_compactions(store):
+        if comp.catalog is not None:
+            out.update(_read_catalog(store, comp.catalog["path"], comp.catalog["sha256"]))
+    if cache is not None:
+        cache[key] = dict(out)
+    return out
+
+
+def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
+    where = store.full(rel)
+    try:
+        blob = store.read_bytes(rel)
+    except FileNotFoundError as e:
+        raise LogCorrupted(f"{where}, the catalog of a compaction, is missing") from e
+    if sha256(blob) != digest:
+        raise LogCorrupted(f"{where} differs from the SHA-256 its compaction names")
+    try:
+        table = pq.read_table(pa.BufferReader(blob)).cast(CATALOG_SCHEMA)
+        ranks = table["ranks"].combine_chunks()
+        values = ranks.values.to_numpy()
+        offsets = ranks.offsets.to_numpy()
+        cols = {name: table[name].to_pylist() for name in CATALOG_SCHEMA.names[:-1]}
+    except (pa.ArrowException, ValueError, KeyError) as e:
+        raise LogCorrupted(f"{where} is not a catalog of commits: {e}") from e
+    out = {}
+    for k, cid in enumerate(cols["id"]):
+        world, width = cols["world_size"][k], cols["width"][k]
+        if offsets[k + 1] - offsets[k] != world * width:
+            raise LogCorrupted(f"{where}: commit {cid} has a rank table of another shape")
+        header = {name: cols[name][k] for name in ("id", "step", "attempt", "parent")}
+        out[cid] = new_commit(
+            {**header, "world_size": world, "created_at": cols["created_at"][k]},
+            values[offsets[k] : offsets[k + 1]].reshape(world, width),
+            version=2,
+        )
+    return out
+
+
+def _catalog(commits: list[Commit]) -> bytes:
+    """The catalog (Parquet bytes) of the version-2 commits among ``commits``."""
+    kept = [c for c in commits if c.ranks is not None and c.version == 2]
+    rows = [c.ranks.rows for c in kept if c.ranks is not None]
+    sizes = np.array([r.size for r in rows], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    values = np.concatenate([r.ravel() for r in rows]) if rows else np.zeros(0, np.int64)
+    table = pa.table(
+        {
+            "id": [c.id for c in kept],
+            "step": [c.step for c in kept],
+            "attempt": [c.attempt for c in kept],
+            "parent": [c.parent for c in kept],
+            "world_size": [c.world_size for c in kept],
+            "created_at": [c.created_at for c in kept],
+            "width": [r.shape[1] for r in rows],
+            "ranks": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values)),
+        },
+        schema=CATALOG_SCHEMA,
+    )
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    return bytes(sink.getvalue().to_pybytes())
 
 
 def pieces(store: Store) -> dict[str, Piece]:
@@ -367,6 +479,9 @@ def _compact(store: Store, before: str | None, target_rows: int, hook: Hook) -> 
     blob = bytes(sink.getvalue().to_pybytes())
     pieces_rel = f"compactions/{cid}.pieces.parquet"
     store.write_atomic(pieces_rel, blob)
+    catalog = _catalog(commits)
+    catalog_rel = f"compactions/{cid}.commits.parquet"
+    store.write_atomic(catalog_rel, catalog)
     hook("pieces")
     marker = {
         "version": SCHEMA_VERSION,
@@ -378,6 +493,7 @@ def _compact(store: Store, before: str | None, target_rows: int, hook: Hook) -> 
             {"path": f.path, "rows": f.rows, "bytes": f.bytes, "sha256": f.sha256} for f in files
         ],
         "pieces": {"path": pieces_rel, "bytes": len(blob), "sha256": sha256(blob)},
+        "catalog": {"path": catalog_rel, "bytes": len(catalog), "sha256": sha256(catalog)},
     }
     try:
         store.create_exclusive(compaction_path(cid), json.dumps(marker, indent=1).encode())
@@ -388,7 +504,8 @@ def _compact(store: Store, before: str | None, target_rows: int, hook: Hook) -> 
     hook("marker")
     cache = command_cache()
     if cache is not None:
-        cache.pop(("pieces", store.uri), None)
+        for name in ("pieces", "compactions", "catalog"):
+            cache.pop((name, store.uri), None)
     for _, ref in todo:
         store.delete(ref.path)
         retired += 1

@@ -7,7 +7,6 @@ consumed samples per segment; the rest is SQL over those counts and the small vi
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import duckdb
@@ -234,8 +233,9 @@ def counts(
         packed=bool(config.get("packer")),
         progress=progress,
     )
-    table = pa.Table.from_pylist(
-        [dataclasses.asdict(s) for s in result.segments], schema=_SEGMENT_COUNTS
+    table = pa.table(
+        {name: [getattr(s, name) for s in result.segments] for name in _SEGMENT_COUNTS.names},
+        schema=_SEGMENT_COUNTS,
     )
     con.register("segment_counts", table)
     return result

@@ -85,11 +85,14 @@ import re
 import shutil
 import tempfile
 import weakref
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 import duckdb
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
@@ -216,7 +219,8 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
         newest = default_head(commits)
         head = newest.id if newest is not None else None
     chain = {c.id for c in lineage(store, head, known=by_id)} if head is not None else set()
-    _check_segments_exist(store, commits)
+    tables = _tables(commits)
+    _check_segments_exist(store, tables.segments)
 
     # A private spill directory: the one place DuckDB may write once access is disabled.
     scratch = tempfile.mkdtemp(prefix="ledger-audit-")
@@ -226,14 +230,15 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     weakref.finalize(con, shutil.rmtree, scratch, True)
-    con.register("events", _events_dataset(store, commits))
-    con.register("lineage", _events_dataset(store, [c for c in commits if c.id in chain]))
-    con.register("commits", _commits_table(commits, chain, head))
-    con.register("segments", _segments_table(commits))
-    con.register("states", _states_table(commits))
+    in_chain = pc.is_in(tables.segments["commit_id"], pa.array(sorted(chain), pa.string()))
+    con.register("events", _events_dataset(store, tables.segments))
+    con.register("lineage", _events_dataset(store, tables.segments.filter(in_chain)))
+    con.register("commits", _with_lineage(tables.commits, chain, head))
+    con.register("segments", tables.segments)
+    con.register("states", tables.states)
     con.register("attempts", _attempts_table(store))
     con.register("run", _run_table(run))
-    lost, journals = _journal_tables(store, commits)
+    lost, journals = _journal_tables(store, tables.states)
     con.register("uncommitted", lost)
     con.register("journals", journals)
     for setting in (
@@ -247,6 +252,126 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     return con
 
 
+@dataclass(frozen=True, slots=True)
+class _Tables:
+    """The marker-derived tables of a set of commits, built once per connection.
+
+    Attributes:
+        commits: ``commits`` view rows without ``in_lineage`` and ``is_head``.
+        segments: the ``segments`` view.
+        states: the ``states`` view.
+    """
+
+    commits: pa.Table
+    segments: pa.Table
+    states: pa.Table
+
+
+def _tables(commits: list[Commit]) -> _Tables:
+    """The tables of ``commits``: for version-2 commits (a rank table each) with numpy
+    over all their rank rows at once, no Python object per rank or segment; for logs
+    holding version-1 markers, commit by commit."""
+    if any(c.ranks is None for c in commits):
+        return _Tables(_commit_rows(commits), _segments_table(commits), _states_table(commits))
+    n = len(commits)
+    tables = [c.ranks.rows for c in commits if c.ranks is not None]
+    worlds = np.fromiter((t.shape[0] for t in tables), np.int64, n)
+    rows = (
+        np.concatenate([t[:, :_RANK_HEAD] for t in tables])
+        if n
+        else np.zeros((0, _RANK_HEAD), np.int64)
+    )
+    of = np.repeat(np.arange(n), worlds)  # the commit of each rank row
+    starts = np.cumsum(worlds) - worlds
+    rank = np.arange(len(rows)) - starts[of]
+    ids = np.array([c.id for c in commits], dtype=object)
+    steps = np.fromiter((c.step for c in commits), np.int64, n)
+    attempts = np.fromiter((c.attempt for c in commits), np.int64, n)
+    states = pa.table(
+        [
+            pa.array(ids[of], pa.string()),
+            steps[of],
+            attempts[of].astype(np.int32),
+            rank.astype(np.int32),
+            rows[:, 10].astype(np.int32),
+            rows[:, 11],
+            rows[:, 12],
+        ],
+        schema=_STATES_SCHEMA,
+    )
+    wrote = np.flatnonzero(rows[:, 1] == 1)
+    at = of[wrote]
+    paths = [
+        f"events/attempt={a}/rank={r}/seg-{b:012d}.parquet"
+        for a, r, b in zip(
+            attempts[at].tolist(), rank[wrote].tolist(), rows[wrote, 12].tolist(), strict=True
+        )
+    ]
+    digests = np.ascontiguousarray(rows[wrote, 4:8], dtype="<i8").tobytes().hex()
+    segments = pa.table(
+        [
+            pa.array(ids[at], pa.string()),
+            steps[at],
+            attempts[at].astype(np.int32),
+            rank[wrote].astype(np.int32),
+            pa.array(paths, pa.string()),
+            rows[wrote, 2],
+            rows[wrote, 3],
+            pa.array([digests[64 * i : 64 * i + 64] for i in range(len(wrote))], pa.string()),
+        ],
+        schema=_SEGMENTS_SCHEMA,
+    )
+    per = {
+        "segments": np.bincount(at, minlength=n).astype(np.int32),
+        "rows": _sums(at, rows[wrote, 2], n),
+        "bytes": _sums(at, rows[wrote, 3], n),
+    }
+    first = rows[starts] if n else np.zeros((0, _RANK_HEAD), np.int64)
+    table = pa.table(
+        {
+            "commit_id": pa.array(ids, pa.string()),
+            "step": steps,
+            "attempt": attempts.astype(np.int32),
+            "parent": pa.array([c.parent for c in commits], pa.string()),
+            "world_size": pa.array([c.world_size for c in commits], pa.int32()),
+            "created_at": pa.array(
+                [_timestamp(c.created_at, f"commit {c.id}") for c in commits], _TS
+            ),
+            **per,
+            "epoch": first[:, 10].astype(np.int32),
+            "epoch_batch": first[:, 11],
+            "batch": first[:, 12],
+        }
+    )
+    return _Tables(table.cast(_COMMITS_SCHEMA.remove(13).remove(12)), segments, states)
+
+
+_RANK_HEAD = 26
+"""Leading columns of a rank table row that hold the state and segment (ledger.ranks)."""
+
+
+def _commit_rows(commits: list[Commit]) -> pa.Table:
+    full = _commits_table(commits, set(), None)
+    return full.drop_columns(["in_lineage", "is_head"])
+
+
+def _with_lineage(table: pa.Table, chain: set[str], head: str | None) -> pa.Table:
+    ids = table["commit_id"]
+    lineage = pc.is_in(ids, pa.array(sorted(chain), pa.string()))
+    is_head = pc.equal(ids, pa.scalar(head, pa.string())) if head is not None else None
+    if is_head is None:
+        is_head = pa.array([False] * table.num_rows, pa.bool_())
+    return table.append_column("in_lineage", lineage).append_column(
+        "is_head", pc.fill_null(is_head, False)
+    )
+
+
+def _sums(at: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros(n, np.int64)
+    np.add.at(out, at, values)
+    return out
+
+
 def arrow_filesystem(store: Store) -> pafs.FileSystem:
     """The Arrow filesystem that reads ``store``'s paths (fsspec-backed for a remote root)."""
     if store.is_local:
@@ -254,8 +379,9 @@ def arrow_filesystem(store: Store) -> pafs.FileSystem:
     return pafs.PyFileSystem(pafs.FSSpecHandler(store.fs))
 
 
-def _events_dataset(store: Store, commits: list[Commit]) -> ds.Dataset:
-    """One Arrow dataset over the segments of ``commits``, with commit_id and step columns.
+def _events_dataset(store: Store, segments: pa.Table) -> ds.Dataset:
+    """One Arrow dataset over ``segments`` (rows of the ``segments`` view), with commit_id
+    and step columns.
 
     A segment's ``commit_id`` and ``step`` are given as its fragment's partition
     expression, which Arrow materialises as columns and uses to skip files on a filter
@@ -270,14 +396,18 @@ def _events_dataset(store: Store, commits: list[Commit]) -> ds.Dataset:
     fs = arrow_filesystem(store)
     fragments: list[ds.Fragment] = []
     wanted: dict[str, list[Piece]] = {}
-    for c in commits:
-        for s in c.segments:
-            piece = placed.get(s.path)
-            if piece is not None:
-                wanted.setdefault(piece.path, []).append(piece)
-                continue
-            where = (ds.field("commit_id") == c.id) & (ds.field("step") == c.step)
-            fragments.append(fmt.make_fragment(store.full(s.path), fs, partition_expression=where))
+    for cid, step, path in zip(
+        segments["commit_id"].to_pylist(),
+        segments["step"].to_pylist(),
+        segments["path"].to_pylist(),
+        strict=True,
+    ):
+        piece = placed.get(path)
+        if piece is not None:
+            wanted.setdefault(piece.path, []).append(piece)
+            continue
+        where = (ds.field("commit_id") == cid) & (ds.field("step") == step)
+        fragments.append(fmt.make_fragment(store.full(path), fs, partition_expression=where))
     held: dict[str, int] = {}
     for piece in placed.values():
         held[piece.path] = held.get(piece.path, 0) + 1
@@ -291,24 +421,25 @@ def _events_dataset(store: Store, commits: list[Commit]) -> ds.Dataset:
     return ds.FileSystemDataset(fragments, EVENTS_SCHEMA, fmt, fs)
 
 
-def _check_segments_exist(store: Store, commits: list[Commit]) -> None:
-    """Raise LogCorrupted if a segment named by a marker is missing (one listing per
-    folder); a compacted segment must have its compacted file."""
+def _check_segments_exist(store: Store, segments: pa.Table) -> None:
+    """Raise LogCorrupted if a segment named by a marker (a row of ``segments``) is
+    missing (one listing per folder); a compacted segment must have its compacted file."""
     placed = pieces(store)
     listed: dict[str, set[str]] = {}
-    for c in commits:
-        for s in c.segments:
-            piece = placed.get(s.path)
-            path = piece.path if piece is not None else s.path
-            folder, _, name = path.rpartition("/")
-            if folder not in listed:
-                listed[folder] = set(store.ls(folder))
-            if name not in listed[folder]:
-                held = f" (holding segment {s.path})" if piece is not None else ""
-                raise LogCorrupted(
-                    f"{'file' if piece else 'segment'} {store.full(path)}{held} named by commit "
-                    f"{c.id} is missing: the log lost a committed file; restore it from a backup"
-                )
+    for cid, rel in zip(
+        segments["commit_id"].to_pylist(), segments["path"].to_pylist(), strict=True
+    ):
+        piece = placed.get(rel)
+        path = piece.path if piece is not None else rel
+        folder, _, name = path.rpartition("/")
+        if folder not in listed:
+            listed[folder] = set(store.ls(folder))
+        if name not in listed[folder]:
+            held = f" (holding segment {rel})" if piece is not None else ""
+            raise LogCorrupted(
+                f"{'file' if piece else 'segment'} {store.full(path)}{held} named by commit "
+                f"{cid} is missing: the log lost a committed file; restore it from a backup"
+            )
 
 
 def _timestamp(value: Any, where: str) -> datetime | None:
@@ -415,16 +546,21 @@ def _run_table(run: dict[str, Any]) -> pa.Table:
 _JOURNAL = re.compile(r"^journal/attempt=([0-9]{1,9})/rank=([0-9]{1,9})\.msgpack$")
 
 
-def _journal_tables(store: Store, commits: list[Commit]) -> tuple[pa.Table, pa.Table]:
+def _journal_tables(store: Store, states: pa.Table) -> tuple[pa.Table, pa.Table]:
     """The ``uncommitted`` view (journaled ``'sample'``/``'span'`` events that no commit
     of their attempt covers) and the ``journals`` view (per journal: its uncommitted
     batches and the damaged records skipped). Files under ``journal/`` not named
     ``attempt=A/rank=R.msgpack`` are ignored."""
-    committed: dict[tuple[int, int], int] = {}
-    for c in commits:
-        for st in c.states:
-            key = (c.attempt, st.rank)
-            committed[key] = max(committed.get(key, -1), st.batch)
+    newest = states.group_by(["attempt", "rank"]).aggregate([("batch", "max")])
+    committed: dict[tuple[int, int], int] = {
+        (a, r): b
+        for a, r, b in zip(
+            newest["attempt"].to_pylist(),
+            newest["rank"].to_pylist(),
+            newest["batch_max"].to_pylist(),
+            strict=True,
+        )
+    }
     journals: dict[tuple[int, int], bytes] = {}
     paths: dict[tuple[int, int], str] = {}
     for rel in store.glob("journal/attempt=*/rank=*.msgpack"):
