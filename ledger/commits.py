@@ -523,6 +523,23 @@ def new_commit(
     return commit
 
 
+def commit_from_rows(
+    cid: str,
+    step: int,
+    attempt: int,
+    parent: str | None,
+    world_size: int,
+    created_at: str,
+    rows: np.ndarray,
+) -> Commit:
+    """A version-2 commit from its header fields and rank table rows, as a compaction's
+    catalog holds them (:func:`ledger.compaction.catalogued`): no dict per commit."""
+    ranks = RankTable(rows, attempt)
+    return Commit(
+        cid, step, attempt, parent, world_size, created_at, _Lazy(ranks.segments), ranks, ranks, 2
+    )
+
+
 class _Lazy(Sequence[SegmentRef]):
     """A commit's segments, decoded on first use (rank 0 writes markers it never reads)."""
 

@@ -25,8 +25,11 @@ resuming there reads), nor any segment off the lineage of ``before``.
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,10 +41,10 @@ from ledger import segments
 from ledger.commits import (
     Commit,
     command_cache,
+    commit_from_rows,
     default_head,
     lineage,
     list_commits,
-    new_commit,
     newest_segments,
     now_iso,
     parsing_once,
@@ -61,12 +64,15 @@ PIECES_SCHEMA = pa.schema(
         pa.field("file", pa.int32(), nullable=False),
         pa.field("first_group", pa.int32(), nullable=False),
         pa.field("groups", pa.int32(), nullable=False),
+        pa.field("first_row", pa.int64(), nullable=False),
     ]
 )
 """Columns of ``compactions/<id>.pieces.parquet``: the original segment's ``path``,
 ``sha256`` and ``rows`` (as its marker names them), the ``commit_id`` whose marker names
-it, and where its rows now are: row groups ``[first_group, first_group + groups)`` of
-file number ``file`` of the compaction."""
+it, and where its rows now are: rows ``[first_row, first_row + rows)`` of file number
+``file`` of the compaction, in its row groups ``[first_group, first_group + groups)``.
+Compactions written before ``first_row`` existed gave each piece row groups of its own
+(``first_row`` reads as -1)."""
 
 TARGET_ROWS = 1 << 22
 """Events per compacted file (about 4 M; a file closes at the first segment past it)."""
@@ -83,6 +89,8 @@ class Piece:
         rows: the segment's rows.
         sha256: the original segment's SHA-256 (as its marker names it).
         commit_id: the commit whose marker names the segment.
+        first_row: its first row in the file (-1: a compaction of the old layout, where
+            the piece is exactly its row groups).
     """
 
     path: str
@@ -91,10 +99,16 @@ class Piece:
     rows: int
     sha256: str
     commit_id: str
+    first_row: int = -1
 
     @property
     def row_groups(self) -> list[int]:
         return list(range(self.first_group, self.first_group + self.groups))
+
+    def rows_of(self, read: pa.Table, start: int) -> pa.Table:
+        """The piece's rows out of its row groups read as one table (``read``), whose
+        first row is row ``start`` of the file; all of ``read`` for the old layout."""
+        return read if self.first_row < 0 else read.slice(self.first_row - start, self.rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +175,10 @@ def read_compaction(store: Store, cid: str) -> Compaction:
     if sha256(blob) != ref["sha256"]:
         raise LogCorrupted(f"{store.full(ref['path'])} differs from the SHA-256 {rel} names")
     try:
-        table = pq.read_table(pa.BufferReader(blob)).cast(PIECES_SCHEMA).to_pydict()
+        read = pq.read_table(pa.BufferReader(blob))
+        if "first_row" not in read.column_names:  # the old layout: a piece per row group
+            read = read.append_column("first_row", pa.array([-1] * read.num_rows, pa.int64()))
+        table = read.cast(PIECES_SCHEMA).to_pydict()
     except (pa.ArrowException, ValueError, KeyError) as e:
         raise LogCorrupted(f"{store.full(ref['path'])} is not a pieces table: {e}") from e
     pieces = {}
@@ -173,6 +190,7 @@ def read_compaction(store: Store, cid: str) -> Compaction:
             table["rows"][i],
             table["sha256"][i],
             table["commit_id"][i],
+            table["first_row"][i],
         )
     return Compaction(cid, before, created, files, pieces, catalog)
 
@@ -249,17 +267,25 @@ def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
         cols = {name: table[name].to_pylist() for name in CATALOG_SCHEMA.names[:-1]}
     except (pa.ArrowException, ValueError, KeyError) as e:
         raise LogCorrupted(f"{where} is not a catalog of commits: {e}") from e
+    sizes = np.diff(offsets)
+    worlds = np.asarray(cols["world_size"], np.int64)
+    if not np.array_equal(sizes, worlds * np.asarray(cols["width"], np.int64)):
+        raise LogCorrupted(f"{where}: a commit has a rank table of another shape")
     out = {}
-    for k, cid in enumerate(cols["id"]):
-        world, width = cols["world_size"][k], cols["width"][k]
-        if offsets[k + 1] - offsets[k] != world * width:
-            raise LogCorrupted(f"{where}: commit {cid} has a rank table of another shape")
-        header = {name: cols[name][k] for name in ("id", "step", "attempt", "parent")}
-        out[cid] = new_commit(
-            {**header, "world_size": world, "created_at": cols["created_at"][k]},
-            values[offsets[k] : offsets[k + 1]].reshape(world, width),
-            version=2,
-        )
+    for cid, step, attempt, parent, world, created, width, lo, hi in zip(
+        cols["id"],
+        cols["step"],
+        cols["attempt"],
+        cols["parent"],
+        cols["world_size"],
+        cols["created_at"],
+        cols["width"],
+        offsets[:-1].tolist(),
+        offsets[1:].tolist(),
+        strict=True,
+    ):
+        rows = values[lo:hi].reshape(world, width)
+        out[cid] = commit_from_rows(cid, step, attempt, parent, world, created, rows)
     return out
 
 
@@ -330,7 +356,9 @@ def read_piece(
             for k in [k for k in cache if k[0] == "compacted"]:
                 del cache[k]
             cache[key] = whole
-    table = whole.read_row_groups(piece.row_groups)
+    meta = whole.metadata
+    start = sum(meta.row_group(g).num_rows for g in range(piece.first_group))
+    table = piece.rows_of(whole.read_row_groups(piece.row_groups), start)
     if (rows is not None and table.num_rows != rows) or table.num_rows != piece.rows:
         raise LogCorrupted(
             f"{store.full(piece.path)} holds {table.num_rows} rows of segment {rel}, "
@@ -471,6 +499,7 @@ def _compact(store: Store, before: str | None, target_rows: int, hook: Hook) -> 
             "file": [r[0] for r in rows],
             "first_group": [r[1] for r in rows],
             "groups": [r[2] for r in rows],
+            "first_row": [r[3] for r in rows],
         },
         schema=PIECES_SCHEMA,
     )
@@ -526,19 +555,36 @@ def _retire_leftovers(store: Store, known: dict[str, Commit], hook: Hook) -> int
 
 def _write_files(
     store: Store, cid: str, todo: list[tuple[Commit, SegmentRef]], target_rows: int
-) -> tuple[list[CompactedFile], list[tuple[int, int, int]]]:
-    """Copy the segments into files of about ``target_rows`` events, each segment as its
-    own row groups; returns the files and, per segment, ``(file, first group, groups)``."""
+) -> tuple[list[CompactedFile], list[tuple[int, int, int, int]]]:
+    """Copy the segments, in order, into files of about ``target_rows`` events cut into
+    row groups of :data:`ledger.segments.ROW_GROUP_ROWS` rows (the last of a file
+    shorter): a piece is a range of rows, so reading a compacted file costs what reading
+    few large segments costs, however small the pieces. Returns the files and, per
+    segment, ``(file, first group, groups, first row)``."""
     files: list[CompactedFile] = []
-    where: list[tuple[int, int, int]] = []
+    where: list[tuple[int, int, int, int]] = []
+    size = segments.ROW_GROUP_ROWS
     writer: pq.ParquetWriter | None = None
     sink: pa.BufferOutputStream | None = None
-    groups = rows = 0
+    pending: list[pa.Table] = []  # rows not yet written: less than one row group
+    held = rows = 0
+
+    def flush(last: bool) -> None:
+        nonlocal pending, held
+        if not pending or writer is None:
+            return
+        table = pa.concat_tables(pending)
+        whole = table.num_rows if last else table.num_rows - table.num_rows % size
+        if whole:
+            writer.write_table(table.slice(0, whole), row_group_size=size)
+        pending = [table.slice(whole)] if whole < table.num_rows else []
+        held = table.num_rows - whole
 
     def close() -> None:
         nonlocal writer, sink
         if writer is None or sink is None:
             return
+        flush(last=True)
         writer.close()
         data = bytes(sink.getvalue().to_pybytes())
         rel = f"events/compacted/{cid}/part-{len(files):05d}.parquet"
@@ -546,30 +592,43 @@ def _write_files(
         files.append(CompactedFile(rel, rows, len(data), sha256(data)))
         writer = sink = None
 
-    for c, ref in todo:
-        table = segments.read(store, ref.path, rows=ref.rows, checksum=ref.sha256)
-        table = _unify(table)
-        table = table.append_column(
+    def load(job: tuple[Commit, SegmentRef]) -> pa.Table:
+        c, ref = job
+        table = _unify(segments.read(store, ref.path, rows=ref.rows, checksum=ref.sha256))
+        return table.append_column(
             "commit_id", pa.array([c.id] * table.num_rows, pa.string())
         ).append_column("step", pa.array([c.step] * table.num_rows, pa.int64()))
-        if writer is None:
-            sink = pa.BufferOutputStream()
-            writer = pq.ParquetWriter(
-                sink,
-                COMPACTED_SCHEMA,
-                compression="zstd",
-                use_dictionary=["kind", "commit_id"],
-                column_encoding=segments._DELTA,
-                write_statistics=True,
-            )
-            groups = rows = 0
-        n = -(-table.num_rows // segments.ROW_GROUP_ROWS)
-        writer.write_table(table, row_group_size=segments.ROW_GROUP_ROWS)
-        where.append((len(files), groups, n))
-        groups += n
-        rows += table.num_rows
-        if rows >= target_rows:
-            close()
+
+    with ThreadPoolExecutor(4, thread_name_prefix="ledger-compact") as pool:
+        ahead: deque[Future[pa.Table]] = deque()
+        jobs = iter(todo)
+        for job in itertools.islice(jobs, 8):
+            ahead.append(pool.submit(load, job))
+        while ahead:
+            table = ahead.popleft().result()
+            for job in itertools.islice(jobs, 1):
+                ahead.append(pool.submit(load, job))
+            if writer is None:
+                sink = pa.BufferOutputStream()
+                writer = pq.ParquetWriter(
+                    sink,
+                    COMPACTED_SCHEMA,
+                    compression="zstd",
+                    use_dictionary=["kind", "commit_id"],
+                    column_encoding=segments._DELTA,
+                    write_statistics=True,
+                )
+                rows = 0
+            n = table.num_rows
+            first, last = rows // size, (rows + max(n, 1) - 1) // size
+            where.append((len(files), first, last - first + 1, rows))
+            pending.append(table)
+            held += n
+            rows += n
+            if held >= size:
+                flush(last=False)
+            if rows >= target_rows:
+                close()
     close()
     return files, where
 

@@ -315,7 +315,9 @@ def encode(rows: np.ndarray) -> bytes:
     retried commit writes the same bytes)."""
     columns = np.ascontiguousarray(rows.T, dtype="<i8")
     shuffled = columns.view(np.uint8).reshape(-1, 8).T.tobytes()
-    return bytes(pa.Codec("zstd", compression_level=9).compress(shuffled, asbytes=True))
+    # Level 3: on byte-shuffled columns it compresses as well as level 9 (a stream table of
+    # 10^4 ranks: 188 vs 190 bytes per rank) in a quarter of the time (tools/scale.py).
+    return bytes(pa.Codec("zstd", compression_level=3).compress(shuffled, asbytes=True))
 
 
 def decode(data: bytes, shape: tuple[int, int], attempt: int, where: str) -> RankTable:

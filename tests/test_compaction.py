@@ -256,3 +256,43 @@ def test_compaction_on_s3(s3, tmp_path):
     assert answers(root) == before
     store = Store(root)
     assert all(not store.exists(p) for p in pieces(store))
+
+
+def test_pieces_share_row_groups_and_markers_come_from_the_catalog(tmp_path):
+    root = str(tmp_path / "log")
+    history(root)
+    before = answers(root)
+    result = compact(root)
+    assert (result.segments, result.files) == (4, 1)
+    # One file, one row group: a piece is a range of rows, not row groups of its own.
+    (path,) = {p.path for p in pieces(Store(root)).values()}
+    assert pq.ParquetFile(os.path.join(root, path)).metadata.num_row_groups == 1
+    assert sorted(p.first_row for p in pieces(Store(root)).values()) == [0, 10, 20, 29]
+    # The markers of the compacted history are read from the compaction's catalog.
+    from ledger.commits import list_commits, parse_once
+    from ledger.compaction import catalogued
+
+    store = Store(root)
+    with parse_once():
+        held = catalogued(store)
+        listed = list_commits(store)
+        assert {c.id for c in listed} == set(held)
+        assert all(held[c.id] is c for c in listed)
+        assert listed == list_commits(store, catalog=False)
+    assert answers(root) == before
+
+
+def test_verify_fails_a_marker_that_differs_from_its_catalog_copy(tmp_path):
+    root = str(tmp_path / "log")
+    history(root)
+    compact(root)
+    marker = os.path.join(root, "commits", "000000000004-0000.json")
+    with open(marker) as f:
+        text = f.read()
+    with open(marker, "w") as f:
+        f.write(text.replace('"created_at": "20', '"created_at": "19', 1))
+    result = CliRunner().invoke(main, ["verify", root, "--format", "csv"])
+    assert result.exit_code == 3, result.output
+    assert "1 commit markers differ from the catalog of a compaction (000000000004-0000)" in (
+        result.output
+    )

@@ -373,7 +373,7 @@ def _read_units(
             and last is not None
             and counted == jobs[i - 1][1]
             and piece.path == last.path
-            and piece.first_group == last.first_group + last.groups
+            and _follows(piece, last)
         ):
             groups[-1].append(i)
         else:
@@ -425,6 +425,13 @@ def _read_units(
         finally:
             for future in pending:
                 future.cancel()
+
+
+def _follows(piece: Piece, last: Piece) -> bool:
+    """Whether ``piece``'s rows come right after ``last``'s in their compacted file."""
+    if piece.first_row >= 0 and last.first_row >= 0:
+        return piece.first_row == last.first_row + last.rows
+    return piece.first_row < 0 and piece.first_group == last.first_group + last.groups
 
 
 class _Problems(Exception):
@@ -611,7 +618,9 @@ class _CompactedFiles:
         if pf is None:
             mine.clear()
             pf = mine[piece.path] = pq.ParquetFile(pa.BufferReader(self._buffer(piece.path)))
-        table = pf.read_row_groups(piece.row_groups, columns=columns, use_threads=False)
+        start = sum(pf.metadata.row_group(g).num_rows for g in range(piece.first_group))
+        read = pf.read_row_groups(piece.row_groups, columns=columns, use_threads=False)
+        table = piece.rows_of(read, start)
         if table.num_rows != ref.rows:
             raise LogCorrupted(
                 f"{self.store.full(piece.path)} holds {table.num_rows} rows of segment "
@@ -697,7 +706,13 @@ class _CompactedFiles:
             )
         first = np.fromiter((p.first_group for p in held), np.int64, len(held))
         end = first + np.fromiter((p.groups for p in held), np.int64, len(held))
-        rows = bounds[end] - bounds[first]
+        if held[0].first_row >= 0:  # rows [first_row, first_row + rows) of the file
+            start = np.fromiter((p.first_row for p in held), np.int64, len(held))
+            count = np.fromiter((p.rows for p in held), np.int64, len(held))
+            inside = (bounds[first] <= start) & (start + count <= bounds[end])
+            rows = np.where(inside, count, -1)  # -1: its row groups do not hold its rows
+        else:  # the old layout: the piece is its row groups
+            rows = bounds[end] - bounds[first]
         wrong = np.flatnonzero(rows != np.fromiter((r.rows for r in refs), np.int64, len(refs)))
         if wrong.size:
             k = int(wrong[0])
@@ -714,5 +729,9 @@ class _CompactedFiles:
             pf = mine[path] = pq.ParquetFile(pa.BufferReader(data))
         lo, hi = int(first[0]), int(end[-1])
         if lo == 0 and hi == len(bounds) - 1:
-            return pf.read(columns=columns, use_threads=False)
-        return pf.read_row_groups(range(lo, hi), columns=columns, use_threads=False)
+            read = pf.read(columns=columns, use_threads=False)
+        else:
+            read = pf.read_row_groups(range(lo, hi), columns=columns, use_threads=False)
+        if held[0].first_row < 0:
+            return read
+        return read.slice(held[0].first_row - int(bounds[lo]), int(sum(p.rows for p in held)))

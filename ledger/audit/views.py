@@ -334,9 +334,7 @@ def _tables(commits: list[Commit]) -> _Tables:
             "attempt": attempts.astype(np.int32),
             "parent": pa.array([c.parent for c in commits], pa.string()),
             "world_size": pa.array([c.world_size for c in commits], pa.int32()),
-            "created_at": pa.array(
-                [_timestamp(c.created_at, f"commit {c.id}") for c in commits], _TS
-            ),
+            "created_at": _timestamps(commits),
             **per,
             "epoch": first[:, 10].astype(np.int32),
             "epoch_batch": first[:, 11],
@@ -364,6 +362,18 @@ def _with_lineage(table: pa.Table, chain: set[str], head: str | None) -> pa.Tabl
     return table.append_column("in_lineage", lineage).append_column(
         "is_head", pc.fill_null(is_head, False)
     )
+
+
+def _timestamps(commits: list[Commit]) -> pa.Array:
+    """The commits' ``created_at`` as naive UTC timestamps, parsed by Arrow at once when
+    every one carries its offset (as ledger writes them), else one by one."""
+    try:
+        aware = pa.array([c.created_at for c in commits], pa.string()).cast(
+            pa.timestamp("us", "UTC")
+        )
+        return aware.cast(_TS)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return pa.array([_timestamp(c.created_at, f"commit {c.id}") for c in commits], _TS)
 
 
 def _sums(at: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
@@ -411,14 +421,35 @@ def _events_dataset(store: Store, segments: pa.Table) -> ds.Dataset:
     held: dict[str, int] = {}
     for piece in placed.values():
         held[piece.path] = held.get(piece.path, 0) + 1
+    partial: list[pa.Table] = []
     for path, parts in wanted.items():
         whole = fmt.make_fragment(store.full(path), fs)
         if len(parts) == held[path]:
             fragments.append(whole)
-            continue
-        whole.ensure_complete_metadata()
-        fragments.extend(whole.subset(row_group_ids=p.row_groups) for p in parts)
-    return ds.FileSystemDataset(fragments, EVENTS_SCHEMA, fmt, fs)
+        elif parts[0].first_row < 0:  # the old layout: each piece is its own row groups
+            whole.ensure_complete_metadata()
+            fragments.extend(whole.subset(row_group_ids=p.row_groups) for p in parts)
+        else:  # pieces share row groups: read the wanted rows now (a head before the end)
+            partial.append(_rows_of(whole, parts))
+    files = ds.FileSystemDataset(fragments, EVENTS_SCHEMA, fmt, fs)
+    if not partial:
+        return files
+    return ds.dataset([files, ds.InMemoryDataset(pa.concat_tables(partial))])
+
+
+def _rows_of(whole: ds.ParquetFileFragment, parts: list[Piece]) -> pa.Table:
+    """The rows of the pieces ``parts`` of one compacted file (new layout), in order."""
+    meta = whole.metadata
+    bounds = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+    groups = sorted({g for p in parts for g in p.row_groups})
+    read = whole.subset(row_group_ids=groups).to_table(schema=EVENTS_SCHEMA)
+    # Row k of the file is row offset[k] of what was read (only the groups read count).
+    before = {g: int(sum(bounds[h + 1] - bounds[h] for h in groups if h < g)) for g in groups}
+    taken = [
+        read.slice(before[p.first_group] + p.first_row - int(bounds[p.first_group]), p.rows)
+        for p in parts
+    ]
+    return pa.concat_tables(taken)
 
 
 def _check_segments_exist(store: Store, segments: pa.Table) -> None:
