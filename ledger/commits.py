@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import functools
 import json
+import operator
 import os
 import re
 import socket
@@ -933,7 +934,7 @@ def list_commits(store: Store, *, catalog: bool = True) -> list[Commit]:
         if COMMIT_NAME.match(name):
             cid = name[: -len(".json")]
             out.append(known.get(cid) or read_commit(store, cid))
-    return sorted(out, key=lambda c: (c.attempt, c.step))
+    return sorted(out, key=operator.attrgetter("attempt", "step"))
 
 
 def default_head(commits: list[Commit]) -> Commit | None:

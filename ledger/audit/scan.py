@@ -286,7 +286,7 @@ class _Counter:
         # One dictionary for 'kind' across the files, then one chunk per column.
         table = pa.concat_tables(tables).unify_dictionaries().combine_chunks()
         job = np.repeat(index, counts)  # the job (segment) of each row
-        np.add.at(self.events, index, counts)
+        self.events[index] += counts  # a job is in one unit: no index repeats
         batch = table.to_batches()[0]
         consumed, skipped = _consumed(batch)
         if not self.jobs[int(index[0])][1]:  # abandoned branches: per-segment counts only
@@ -308,7 +308,7 @@ class _Counter:
                 raise LogCorrupted(self.error)
             return
         self.samples += np.bincount(job[consumed], minlength=len(self.jobs))
-        np.maximum.at(self.last_epoch, job[consumed], epoch[consumed])
+        _fold_max(self.last_epoch, job[consumed], epoch[consumed])
         position = batch.column("position").to_numpy()
         for e in np.unique(epoch[either]).tolist():
             mine = epoch == e
@@ -345,6 +345,16 @@ class _Counter:
         result.epochs = {e: c for e, c in sorted(self.epochs.items()) if c.samples or c.skipped}
         result.last_positions = {e: p for e, p in self.last_positions.items() if e in result.epochs}
         return result
+
+
+def _fold_max(out: np.ndarray, at: np.ndarray, values: np.ndarray) -> None:
+    """``out[at] = max(out[at], values)`` per distinct ``at``, for sorted ``at`` (one
+    ``reduceat``; ``np.maximum.at`` is ~100x slower on 10^6 rows)."""
+    if at.size == 0:
+        return
+    starts = np.flatnonzero(np.concatenate([[True], at[1:] != at[:-1]]))
+    keys = at[starts]
+    out[keys] = np.maximum(out[keys], np.maximum.reduceat(values, starts))
 
 
 def _read_units(

@@ -377,8 +377,11 @@ def _timestamps(commits: list[Commit]) -> pa.Array:
 
 
 def _sums(at: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """Per ``k < n``, the sum of ``values`` where ``at == k`` (``at`` sorted)."""
     out = np.zeros(n, np.int64)
-    np.add.at(out, at, values)
+    if at.size:
+        starts = np.flatnonzero(np.concatenate([[True], at[1:] != at[:-1]]))
+        out[at[starts]] = np.add.reduceat(values, starts)
     return out
 
 
