@@ -532,12 +532,25 @@ def commit_from_rows(
     world_size: int,
     created_at: str,
     rows: np.ndarray,
+    extra: dict[str, Any],
 ) -> Commit:
-    """A version-2 commit from its header fields and rank table rows, as a compaction's
-    catalog holds them (:func:`ledger.compaction.catalogued`): no dict per commit."""
+    """A version-2 commit from its header fields, rank table rows and optional marker
+    fields (``manifest``, ``lineage``), as a compaction's catalog holds them
+    (:func:`ledger.compaction.catalogued`): no dict per commit."""
     ranks = RankTable(rows, attempt)
     return Commit(
-        cid, step, attempt, parent, world_size, created_at, _Lazy(ranks.segments), ranks, ranks, 2
+        cid,
+        step,
+        attempt,
+        parent,
+        world_size,
+        created_at,
+        _Lazy(ranks.segments),
+        ranks,
+        ranks,
+        2,
+        [],
+        extra,
     )
 
 

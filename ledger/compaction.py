@@ -51,6 +51,7 @@ from ledger.commits import (
     read_run,
 )
 from ledger.errors import CommitConflict, CommitNotFound, LogCorrupted
+from ledger.manifest import manifest_path
 from ledger.ranks import SegmentRef
 from ledger.schema import EVENT_SCHEMA, SCHEMA_VERSION
 from ledger.store import Store, sha256
@@ -220,14 +221,17 @@ CATALOG_SCHEMA = pa.schema(
         pa.field("created_at", pa.string(), nullable=False),
         pa.field("width", pa.int64(), nullable=False),
         pa.field("ranks", pa.large_list(pa.int64()), nullable=False),
+        pa.field("manifest_sha256", pa.string()),
+        pa.field("lineage", pa.list_(pa.int64())),
     ]
 )
 """Columns of ``compactions/<id>.commits.parquet``, the catalog of a compaction: one row
 per version-2 commit marker present when it ran (all branches), with the marker's
-header and its rank table (``world_size x width`` integers, row-major, the layout of
-:mod:`ledger.ranks`). Markers never change once written, so a command reads the catalog
-(one file) instead of one marker and one rank table per commit: an audit of a compacted
-history of 10^4 commits reads 3 files, not 2·10^4."""
+header, its rank table (``world_size x width`` integers, row-major, the layout of
+:mod:`ledger.ranks`), the SHA-256 of its manifest and its lineage ranges (flattened
+triples), null when the marker names none. Markers never change once written, so a
+command reads the catalog (one file) instead of one marker and one rank table per commit:
+an audit of a compacted history of 10^4 commits reads 3 files, not 2·10^4."""
 
 
 def catalogued(store: Store) -> dict[str, Commit]:
@@ -264,7 +268,7 @@ def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
         ranks = table["ranks"].combine_chunks()
         values = ranks.values.to_numpy()
         offsets = ranks.offsets.to_numpy()
-        cols = {name: table[name].to_pylist() for name in CATALOG_SCHEMA.names[:-1]}
+        cols = {name: table[name].to_pylist() for name in CATALOG_SCHEMA.names if name != "ranks"}
     except (pa.ArrowException, ValueError, KeyError) as e:
         raise LogCorrupted(f"{where} is not a catalog of commits: {e}") from e
     sizes = np.diff(offsets)
@@ -272,7 +276,7 @@ def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
     if not np.array_equal(sizes, worlds * np.asarray(cols["width"], np.int64)):
         raise LogCorrupted(f"{where}: a commit has a rank table of another shape")
     out = {}
-    for cid, step, attempt, parent, world, created, width, lo, hi in zip(
+    for cid, step, attempt, parent, world, created, width, lo, hi, digest, flat in zip(
         cols["id"],
         cols["step"],
         cols["attempt"],
@@ -282,10 +286,17 @@ def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
         cols["width"],
         offsets[:-1].tolist(),
         offsets[1:].tolist(),
+        cols["manifest_sha256"],
+        cols["lineage"],
         strict=True,
     ):
+        extra: dict[str, Any] = {}
+        if digest is not None:
+            extra["manifest"] = (manifest_path(cid), digest)
+        if flat is not None:
+            extra["lineage"] = tuple(tuple(flat[i : i + 3]) for i in range(0, len(flat), 3))
         rows = values[lo:hi].reshape(world, width)
-        out[cid] = commit_from_rows(cid, step, attempt, parent, world, created, rows)
+        out[cid] = commit_from_rows(cid, step, attempt, parent, world, created, rows, extra)
     return out
 
 
@@ -306,6 +317,10 @@ def _catalog(commits: list[Commit]) -> bytes:
             "created_at": [c.created_at for c in kept],
             "width": [r.shape[1] for r in rows],
             "ranks": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values)),
+            "manifest_sha256": [c.manifest[1] if c.manifest else None for c in kept],
+            "lineage": [
+                [x for r in c.lineage_ranges for x in r] if c.lineage_ranges else None for c in kept
+            ],
         },
         schema=CATALOG_SCHEMA,
     )

@@ -199,13 +199,14 @@ def register(spark: SparkSession, root: str, head: str | None = None) -> str | N
         top = by_id[head] if head in by_id else read_commit(store, head)
         ranges = lineage_ranges(store, top)
         chain = {c.id for c in commits if manifest.in_ranges(ranges, c.attempt, c.step)}
-    duck._check_segments_exist(store, commits)
+    tables = duck._tables(commits)
+    duck._check_segments_exist(store, tables.segments)
     small = {
         "commits": duck._commits_table(commits, chain, head),
         "attempts": duck._attempts_table(store),
         "run": duck._run_table(run),
     }
-    lost, journals = duck._journal_tables(store, commits)
+    lost, journals = duck._journal_tables(store, tables.states)
     small["uncommitted"] = lost
     small["journals"] = journals
     for name, table in small.items():
