@@ -369,16 +369,20 @@ def summarize(
             f"the segment of rank {rank} at commit {cid} holds sample id {sample_id}, "
             f"outside the dataset's [0, {dataset_len})"
         )
+    # Exact distinct counts with one shuffle: rows are first grouped by (epoch, id), so
+    # each id of an epoch crosses the network once (three COUNT(DISTINCT) would expand
+    # every row three times before shuffling it).
     epochs = spark.sql(
         f"""
-        SELECT epoch, count_if({CONSUMED}) AS samples,
-               count(DISTINCT CASE WHEN {CONSUMED} THEN sample_id END) AS distinct_ids,
-               count_if(kind = 'skip') AS skipped,
-               count(DISTINCT CASE WHEN kind = 'skip' THEN sample_id END) AS skipped_distinct,
-               count(DISTINCT CASE WHEN kind = 'skip' OR {CONSUMED} THEN sample_id END)
-                   AS covered
-        FROM lineage GROUP BY epoch
-        HAVING samples > 0 OR skipped > 0 ORDER BY epoch
+        WITH per_id AS (
+            SELECT epoch, sample_id, count_if({CONSUMED}) AS used,
+                   count_if(kind = 'skip') AS dropped
+            FROM lineage WHERE kind = 'skip' OR {CONSUMED}
+            GROUP BY epoch, sample_id
+        )
+        SELECT epoch, sum(used), count_if(used > 0), sum(dropped), count_if(dropped > 0),
+               count(*)
+        FROM per_id GROUP BY epoch ORDER BY epoch
         """
     ).collect()
     spark.sql(
