@@ -142,7 +142,7 @@ class PipelineState:
             ``epoch`` (0 unless the epoch was resumed with another world size).
         origin: streams only: the commit an attempt with another world size or worker
             count resumed from; the epochs unfinished there are served from what that
-            commit left (:func:`ledger.stream.pipeline.carry_over`). ``""``: none.
+            commit left (:func:`ledger.stream.plan.carry_over`). ``""``: none.
     """
 
     rank: int = 0

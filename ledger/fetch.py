@@ -16,7 +16,7 @@ RNG modes (``DataLoader(rng=...)``, recorded in ``run.json``):
 Streams (:class:`ledger.stream.Stream`) are not fetched by batch: a sample is loaded
 when a worker reads it into its shuffle buffer, and re-read alone on resume. Their
 transform draws from ``ctx.rng``, seeded per sample in every mode; ``"sample"`` also
-seeds torch, numpy and ``random`` before each sample (:func:`ledger.stream.pipeline.
+seeds torch, numpy and ``random`` before each sample (:func:`ledger.stream.sample.
 load_sample`); ``"batch"`` and ``"off"`` leave them alone.
 
 A dataset with ``__getitems__`` (HF ``datasets.Dataset``, ``torch.utils.data.Subset``)

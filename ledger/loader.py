@@ -1,18 +1,11 @@
-"""ledger.DataLoader: torch's DataLoader over a map-style dataset, with the log attached.
+"""ledger.DataLoader: torch's DataLoader with the log attached, over any pipeline.
 
-How a batch flows:
-
-1. ``_Requests`` (the batch sampler, main process) walks the rank's batch plan from the
-   current state and yields ``(epoch, epoch_batch, batch, sample_ids)`` requests; ids come
-   from the seeded epoch order, computed a chunk of batches at a time.
-2. ``_Fetch.__getitems__`` (in a worker, or the main process) fetches the batch with the
-   run's RNG mode (:mod:`ledger.fetch`: seeded once per batch by default), through the
-   dataset's ``__getitems__`` when it has one.
-3. ``_TagCollate`` collates with the user's ``collate_fn`` and tags the batch with its
-   request and the worker id: the compact per-batch delta the main process needs.
-4. ``DataLoader.__iter__`` receives batches in order, records the batch's events in the
-   log when it hands the batch to the training loop, and advances the state. Prefetched
-   batches are not recorded; after a resume they are simply produced again.
+The loader owns the log, the checkpoint token and the iteration protocol; what turns the
+dataset into batches is a pipeline (:mod:`ledger.pipeline`: a map-style dataset's,
+:mod:`ledger.mapstyle`, or a stream's, :mod:`ledger.stream.pipeline`), to which it
+delegates without asking which. A batch's events are recorded when the loader hands
+it to the training loop, not when a worker made it: prefetched batches are not
+recorded, and after a resume they are simply produced again.
 """
 
 from __future__ import annotations
@@ -23,33 +16,24 @@ import multiprocessing
 import os
 import signal
 import sys
-import weakref
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import torch.utils.data as tud
 
+from ledger import pipeline as pipelines
 from ledger import preemption, torch_args
 from ledger.commits import Commit, PipelineState, read_run
-from ledger.digest import digest_bytes
 from ledger.errors import CommitNotFound, ConfigMismatch, LedgerError, TokenError, WrongRoot
-from ledger.fetch import RngMode, check_rng, fetch_batch
+from ledger.fetch import RngMode, check_rng
 from ledger.log import Ledger
-from ledger.order import BatchPlan, EpochOrder
-from ledger.replay import advance, replay, resume_elastic
-from ledger.schema import ORDER_ALGORITHM, SAMPLE, SKIP, EventChunk
+from ledger.schema import EventChunk
 from ledger.store import Store
-from ledger.stream.driver import StreamDriver
-from ledger.stream.pipeline import Stream
 from ledger.validate import require
 
 TOKEN_VERSION = 1
 _TOKEN_KEYS = ("version", "root", "run_id", "commit", "attempt", "world_size", "step")
-_CHUNK_POSITIONS = 1 << 14  # positions whose ids are computed in one vectorised call
 
 logger = logging.getLogger("ledger")
 
@@ -57,111 +41,6 @@ logger = logging.getLogger("ledger")
 class MapDataset(Protocol):
     def __len__(self) -> int: ...
     def __getitem__(self, index: int) -> Any: ...
-
-
-@dataclass(frozen=True, slots=True)
-class _Request:
-    epoch: int
-    epoch_batch: int
-    batch: int
-    position: int
-    sample_ids: np.ndarray
-
-
-class _Fetch(tud.Dataset[Any]):
-    """Wraps the user's dataset: fetches a batch request with the run's RNG mode."""
-
-    def __init__(self, dataset: MapDataset, seed: int, rng: RngMode) -> None:
-        self.dataset = dataset
-        self.seed = seed
-        self.rng = rng
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset[index]
-
-    def __getitems__(self, request: tuple[int, int, int, int, np.ndarray]) -> tuple[tuple, list]:
-        epoch, epoch_batch, batch, position, ids = request
-        samples = fetch_batch(
-            self.dataset,
-            ids,
-            seed=self.seed,
-            epoch=epoch,
-            position=position,
-            rng=self.rng,
-            main_process=tud.get_worker_info() is None,
-        )
-        return (epoch, epoch_batch, batch), samples
-
-
-class _TagCollate:
-    """Collates with the user's function and tags the batch with its request, the worker
-    and the batch's content digest (computed in the worker, off the training loop)."""
-
-    def __init__(self, collate_fn: Callable[[list[Any]], Any], digest: bool) -> None:
-        self.collate_fn = collate_fn
-        self.digest = digest
-
-    def __call__(self, fetched: tuple[tuple[int, int, int], list[Any]]) -> tuple[tuple, Any]:
-        meta, samples = fetched
-        info = tud.get_worker_info()
-        batch = self.collate_fn(samples)
-        digest = digest_bytes(batch) if self.digest else None
-        return (*meta, info.id if info is not None else -1, digest), batch
-
-
-class _Requests:
-    """Batch sampler: the rest of the current epoch, from the loader's state.
-
-    Holds the loader weakly: torch's DataLoader holds this sampler, so a strong reference
-    would be a cycle that keeps a dropped loader (and its persistent workers and journal)
-    alive until a garbage collection.
-    """
-
-    def __init__(self, loader: DataLoader) -> None:
-        self._loader = weakref.ref(loader)
-
-    def _get(self) -> DataLoader:
-        loader = self._loader()
-        if loader is None:
-            raise LedgerError("the ledger.DataLoader of this sampler was garbage-collected")
-        return loader
-
-    def __len__(self) -> int:
-        loader = self._get()
-        state = loader._state
-        return loader._plan_at(state).batches_per_epoch - state.epoch_batch
-
-    def __iter__(self) -> Iterator[tuple[int, int, int, int, np.ndarray]]:
-        loader = self._get()
-        state = loader._state
-        plan = loader._plan_at(state)
-        epoch = state.epoch
-        order = loader._order(epoch)
-        inflight = loader._inflight
-        del loader  # a suspended generator must not keep the loader alive
-        end = plan.batches_per_epoch
-        per_chunk = max(1, _CHUNK_POSITIONS // plan.batch_size)
-        k, b = state.epoch_batch, state.batch
-        while k < end:
-            k1 = min(k + per_chunk, end)
-            starts, stops = plan.bounds(k, k1)
-            lens = stops - starts
-            offsets = np.cumsum(lens) - lens
-            positions = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(
-                starts - offsets, lens
-            )
-            ids = order.sample_ids(positions)
-            for start, lo, hi in zip(
-                starts.tolist(), offsets.tolist(), (offsets + lens).tolist(), strict=True
-            ):
-                req = _Request(epoch, k, b, start, ids[lo:hi])
-                inflight.append(req)
-                yield epoch, k, b, start, req.sample_ids
-                k += 1
-                b += 1
 
 
 def _default_collate(batch: list[Any]) -> Any:
@@ -363,36 +242,19 @@ class DataLoader:
         if per_sample_rng is not None:
             rng = "sample" if per_sample_rng else "off"
         self.rng: RngMode = check_rng(rng)
-        self._stream: StreamDriver | None = None
-        if isinstance(dataset, Stream):
-            if drop_last or persistent_workers:
-                raise ValueError(
-                    "a Stream serves every sample (drop_last=False) and needs fresh workers "
-                    "each epoch (persistent_workers=False)"
-                )
-            n = dataset.source.num_rows
-        else:
-            n = len(dataset)
-        self._plan = BatchPlan(n, batch_size, self.drop_last, rank, world_size)
-        if self._plan.batches_per_epoch == 0:
-            raise ValueError(
-                f"an epoch of {len(dataset)} samples holds no batch of {batch_size} samples on "
-                f"{world_size} rank(s) with drop_last={self.drop_last}"
-            )
         if isinstance(log, Ledger):
             self._ledger = log
         else:
             self._ledger = Ledger(
                 log, rank=rank, world_size=world_size, storage_options=storage_options
             )
-        self._state = PipelineState(rank, 0, 0, 0)
+        self._rank = rank
+        self._world_size = world_size
         self._closed = False
         self._resume_from: Commit | None = None
-        self._resume_skip: EventChunk | None = None
-        self._inflight: deque[_Request] = deque()
+        self._resume_events: list[EventChunk] = []
         self._generation = 0
         self._iter_epoch: int | None = None
-        self._orders: dict[int, EpochOrder] = {}
         # A private generator: torch draws each iterator's base seed from it, so the
         # loader never consumes the training loop's global torch RNG.
         generator = torch.Generator()
@@ -407,32 +269,25 @@ class DataLoader:
         }
         if pin_memory_device:
             torch_kwargs["pin_memory_device"] = pin_memory_device
-        if isinstance(dataset, Stream):
-            self._stream = StreamDriver(
-                dataset,
+        self._pipeline = pipelines.build(
+            dataset,
+            pipelines.LoaderSettings(
                 seed=self.seed,
                 shuffle=self.shuffle,
+                batch_size=batch_size,
+                drop_last=self.drop_last,
                 rank=rank,
                 world_size=world_size,
                 num_workers=num_workers,
-                batch_size=batch_size,
                 collate_fn=collate_fn or _default_collate,
-                per_sample_rng=self.rng == "sample",
+                rng=self.rng,
+                digest=digest,
+                persistent_workers=persistent_workers,
                 torch_kwargs=torch_kwargs,
                 store=self._ledger.store,
-                digest=digest,
-            )
-            self._torch_loader = self._stream.torch_loader
-            self._state = self._stream.initial_state()
-            return
-        self._torch_loader = tud.DataLoader(
-            _Fetch(dataset, self.seed, self.rng),
-            batch_sampler=_Requests(self),  # type: ignore[arg-type]  # yields requests
-            num_workers=num_workers,
-            collate_fn=_TagCollate(collate_fn or _default_collate, digest),  # type: ignore[arg-type]
-            persistent_workers=persistent_workers,
-            **torch_kwargs,
+            ),
         )
+        self._state = self._pipeline.initial_state()
 
     # ------------------------------------------------------------------ properties
 
@@ -454,19 +309,12 @@ class DataLoader:
     @property
     def config(self) -> dict[str, Any]:
         """What must not change across a resume; stored in ``run.json``."""
-        config = {
-            "dataset_len": self._plan.n,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "batch_size": self.batch_size,
-            "drop_last": self.drop_last,
-            "world_size": self._plan.world_size,
-            "order": ORDER_ALGORITHM,
-            "rng": self.rng,
-        }
-        if self._stream is not None:
-            config.update(self._stream.config())
-        return config
+        return self._pipeline.config()
+
+    @property
+    def _torch_loader(self) -> tud.DataLoader[Any]:
+        """The ``torch.utils.data.DataLoader`` the pipeline runs."""
+        return self._pipeline.torch_loader
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (map-style only).
@@ -474,22 +322,7 @@ class DataLoader:
         Raises:
             TypeError: for a stream, whose batches per epoch depend on packing.
         """
-        if self._stream is not None:
-            raise TypeError("a stream's batches per epoch are not known in advance")
-        return self._plan.batches_per_epoch
-
-    def _plan_at(self, state: PipelineState) -> BatchPlan:
-        """This rank's plan for ``state.epoch`` (which may start mid-epoch: elastic resume)."""
-        if state.epoch_start == 0:
-            return self._plan
-        return replace(self._plan, start=state.epoch_start)
-
-    def _order(self, epoch: int) -> EpochOrder:
-        order = self._orders.get(epoch)
-        if order is None:
-            order = EpochOrder(self._plan.n, self.seed, epoch, self.shuffle)
-            self._orders = {epoch: order}
-        return order
+        return self._pipeline.batches_per_epoch()
 
     # ------------------------------------------------------------------ iteration
 
@@ -505,37 +338,19 @@ class DataLoader:
 
     def _start_attempt(self) -> None:
         self._ledger.start(self._resume_from)
-        if self._resume_skip is not None:  # a tail an elastic resume left unservable
-            self._ledger.append(self._resume_skip)
-            self._resume_skip = None
+        for chunk in self._resume_events:  # e.g. a tail an elastic resume left unservable
+            self._ledger.append(chunk)
+        self._resume_events = []
 
     def __iter__(self) -> Iterator[Any]:
         """Serve the rest of the current epoch (a whole epoch after the previous ended)."""
         self._ensure_started()
         self._generation += 1
         generation = self._generation
-        self._inflight.clear()
         self._iter_epoch = self._state.epoch
-        if self._stream is not None:
-            self._stream.begin(self._state)
-            return preemption.at_batch_boundaries(self._serve_stream(self._stream, generation))
-        return preemption.at_batch_boundaries(self._serve(generation))
-
-    def _serve_stream(self, driver: StreamDriver, generation: int) -> Iterator[Any]:
-        start_epoch = self._state.epoch
-        append = self._ledger.append
-        try:
-            for meta, data in self._torch_loader:
-                self._check_generation(generation)
-                chunk, state = driver.record(self._state, meta)
-                append(chunk)
-                self._state = state
-                yield data
-            if generation == self._generation:
-                driver.finish(self._state, start_epoch)
-        finally:
-            if generation == self._generation:
-                self._iter_epoch = None
+        return preemption.at_batch_boundaries(
+            self._serve(self._pipeline.begin(self._state), generation)
+        )
 
     def _check_generation(self, generation: int) -> None:
         if generation != self._generation:
@@ -544,37 +359,23 @@ class DataLoader:
                 "iter(loader); iterate the loader again"
             )
 
-    def _serve(self, generation: int) -> Iterator[Any]:
-        inflight = self._inflight
+    def _serve(self, batches: Iterable[tuple[Any, Any]], generation: int) -> Iterator[Any]:
+        start_epoch = self._state.epoch
+        pipeline = self._pipeline
+        append = self._ledger.append
         try:
-            for tagged in self._torch_loader:
+            for tag, data in batches:
                 self._check_generation(generation)
-                epoch, _, batch, worker, digest = tagged[0]
-                req = inflight.popleft()
-                if req.batch != batch or req.epoch != epoch:
-                    raise LedgerError(
-                        f"batch {batch} arrived where batch {req.batch} was expected: "
-                        "batches must be delivered in order"
-                    )
-                self._record(req, worker, digest)
-                yield tagged[1]
+                state, events = pipeline.record(self._state, tag)
+                for chunk in events:
+                    append(chunk)
+                self._state = state
+                yield data
+            if generation == self._generation:
+                pipeline.finish(self._state, start_epoch)
         finally:
             if generation == self._generation:
                 self._iter_epoch = None
-
-    def _record(self, req: _Request, worker: int, digest: bytes | None) -> None:
-        log = self._ledger
-        log.append(
-            EventChunk(
-                SAMPLE, req.epoch, req.batch, worker, req.position, req.sample_ids, digest=digest
-            )
-        )
-        state = self._state
-        plan = self._plan if state.epoch_start == 0 else self._plan_at(state)
-        state = self._state = advance(state, plan)
-        if state.epoch != req.epoch and plan.rank == 0 and plan.consumed_per_epoch < plan.n:
-            tail = self._order(req.epoch).range(plan.consumed_per_epoch, plan.n)
-            log.append(EventChunk(SKIP, req.epoch, req.batch, -1, plan.consumed_per_epoch, tail))
 
     # ------------------------------------------------------------------ lifetime
 
@@ -589,12 +390,12 @@ class DataLoader:
         self._closed = True
         self._generation += 1  # a live iterator stops at its next batch
         self._iter_epoch = None
-        iterator = getattr(self._torch_loader, "_iterator", None)
+        iterator = getattr(self._pipeline.torch_loader, "_iterator", None)
         if iterator is not None:
             shutdown = getattr(iterator, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
-            self._torch_loader._iterator = None
+            self._pipeline.torch_loader._iterator = None
         self._ledger.close()
 
     def __enter__(self) -> DataLoader:
@@ -630,14 +431,14 @@ class DataLoader:
             run_id = self._ledger.open(self.config)
             head = self._resume_from
         else:
-            snapshot = self._stream.snapshot(self._state) if self._stream is not None else []
+            snapshot = self._pipeline.snapshot(self._state)
             previous = self._ledger.head
             head = self._ledger.commit(self._state, snapshot)
             run_id = self._ledger.run_id or ""
             if head is not previous:
                 logger.info(
                     "rank %d committed %s (step %d, epoch %d) to %s",
-                    self._plan.rank,
+                    self._rank,
                     head.id,
                     head.step,
                     self._state.epoch,
@@ -649,7 +450,7 @@ class DataLoader:
             "run_id": run_id,
             "commit": head.id if head else "",
             "attempt": head.attempt if head else -1,
-            "world_size": self._plan.world_size,
+            "world_size": self._world_size,
             "step": head.step if head else 0,
         }
 
@@ -678,10 +479,9 @@ class DataLoader:
         token = _check_token(state_dict)
         moved = _normal_root(token["root"]) != self._ledger.root
         self._check_run(token, moved)
-        if self._stream is not None and self._ledger.store.exists("run.json"):
-            # Before the generic config check: name the first shard that changed.
-            logged = read_run(self._ledger.store)["config"].get("source", [])
-            self._stream.stream.source.check(logged)
+        if self._ledger.store.exists("run.json"):
+            # Before the generic config check: e.g. name the first shard that changed.
+            self._pipeline.check_logged(read_run(self._ledger.store)["config"])
         try:
             run_id = self._ledger.open(self.config)
         except ConfigMismatch as e:
@@ -697,42 +497,31 @@ class DataLoader:
             raise WrongRoot(f"{self._ledger.root} holds run {run_id}, not the token's")
         if token["commit"] == "":
             head = None
-            if self._stream is not None:
-                state = self._stream.initial_state()
-                self._stream.reset({})
-            else:
-                state = PipelineState(self._plan.rank, 0, 0, 0)
+            state = self._pipeline.initial_state()
         else:
             head = self._read_token_commit(token, moved)
-            if self._stream is not None:
-                state = self._stream.replay(self._ledger.store, head)
-            elif head.world_size != self._plan.world_size:
-                state, self._resume_skip = resume_elastic(
-                    self._ledger.store, head, self._plan, self._order
-                )
-            else:
-                state = replay(self._ledger.store, head, self._plan, self._order)
+            state, self._resume_events = self._pipeline.replay(self._ledger.store, head)
         if self._verify_data and head is not None:
             self._check_last_batch(head, state)
         self._state = state
         self._resume_from = head
         if head is not None:
             old_workers = len(head.states[0].workers) if head.states else 0
-            new_workers = self._stream.workers if self._stream is not None else old_workers
-            if head.world_size != self._plan.world_size or old_workers != new_workers:
+            new_workers = self._pipeline.workers
+            if head.world_size != self._world_size or old_workers != new_workers:
                 logger.info(
                     "elastic resume of %s at commit %s: world size %d -> %d, "
                     "logical workers per rank %d -> %d",
                     self._ledger.root,
                     head.id,
                     head.world_size,
-                    self._plan.world_size,
+                    self._world_size,
                     old_workers,
                     new_workers,
                 )
         logger.info(
             "rank %d resumed %s from commit %s: epoch %d, batch %d",
-            self._plan.rank,
+            self._rank,
             self._ledger.root,
             head.id if head is not None else "(start)",
             state.epoch,
@@ -803,11 +592,10 @@ class DataLoader:
         """
         from ledger.audit.queries import materialize
 
-        if state.batch == 0 or head.world_size != self._plan.world_size:
+        if state.batch == 0 or head.world_size != self._world_size:
             return  # nothing of this rank committed, or batches were numbered in another shape
-        dataset = self._stream.stream if self._stream is not None else self.dataset
         made = materialize(
-            self._ledger.root, state.batch - 1, dataset, rank=self._plan.rank,
+            self._ledger.root, state.batch - 1, self._pipeline.dataset, rank=self._rank,
             collate_fn=self._collate_fn, head=head.id,
         )  # fmt: skip
         if made.record.digest is not None and not made.matches:
@@ -815,7 +603,7 @@ class DataLoader:
                 "dataset content",
                 made.record.digest,
                 made.digest,
-                f"Batch {state.batch - 1} of rank {self._plan.rank} (samples "
+                f"Batch {state.batch - 1} of rank {self._rank} (samples "
                 f"{made.record.sample_ids[:8].tolist()}...) re-created from the dataset differs "
                 "from the batch the model received: the data changed since it was read. Resume "
                 "with the original data, or start a new run under a new log root.",

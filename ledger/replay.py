@@ -1,5 +1,8 @@
 """Fold a lineage's events into pipeline state, and verify that resuming continues it.
 
+Replay of every pipeline lives here: map-style datasets (:func:`replay`, and
+:func:`resume_elastic` for another world size) and streams (:func:`replay_stream`).
+
 For a map-style dataset the order is a pure function of ``(seed, epoch)``, so the state
 of a rank is where its last consumed batch sits in the plan. Replay reads it from the
 events (the newest segment of the rank in the lineage), not from the configuration, then
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -22,11 +26,22 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ledger import segments
-from ledger.commits import Commit, PipelineState, SegmentRef, newest_segment, newest_segments
+from ledger.commits import (
+    Commit,
+    PipelineState,
+    SegmentRef,
+    WorkerState,
+    newest_segment,
+    newest_segments,
+)
 from ledger.errors import LogCorrupted, ResumeMismatch
 from ledger.order import BatchPlan, EpochOrder
-from ledger.schema import SAMPLE, SKIP, EventChunk
+from ledger.schema import BUFFER, SAMPLE, SKIP, EventChunk
 from ledger.store import Store
+
+if TYPE_CHECKING:
+    from ledger.stream.pipeline import StreamPipeline
+    from ledger.stream.shuffle import Piece
 
 
 def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
@@ -255,3 +270,88 @@ def resume_elastic(
         tail = order_for(epoch).range(reach, plan.n)
         skip = EventChunk(SKIP, epoch, batch - 1, -1, reach, tail)
     return PipelineState(plan.rank, epoch + 1, 0, batch), skip
+
+
+def replay_stream(pipeline: StreamPipeline, store: Store, head: Commit) -> PipelineState:
+    """Rebuild the rank's state and buffers at ``head`` from the log, and check them.
+
+    With the world size and worker count of ``head``, the rank continues exactly
+    where it stood. With another shape, every rank starts over in the oldest epoch
+    an old rank had not finished, serving what the old shape left
+    (:func:`~ledger.stream.plan.carry_over`): every sample and every token of each
+    epoch is then consumed exactly once across the shapes, in an order that is a
+    function of the new shape.
+
+    Raises:
+        LogCorrupted: if the buffer snapshot is missing or disagrees with the cursors.
+    """
+    pipeline.store = store
+    states = head.states
+    if head.world_size != pipeline.world_size or len(states[0].workers) != pipeline.workers:
+        pipeline.reset({})
+        ahead = states[0]
+        return pipeline.epoch_start(min(s.epoch for s in states), ahead.batch, head.id)
+    state = head.state(pipeline.rank)
+    buffers = read_buffers(pipeline, head, state)
+    plan = pipeline.plan(state.epoch, state.origin)
+    for w in state.workers:
+        ids = buffers.get(w.worker, [])
+        expected = w.rows_read - w.emitted if pipeline.stream.shuffle_buffer else 0
+        if len(ids) != expected:
+            raise LogCorrupted(
+                f"commit {head.id}: worker {w.worker} read {w.rows_read} rows and handed on "
+                f"{w.emitted}, so its buffer holds {expected}, but the log's snapshot "
+                f"holds {len(ids)}"
+            )
+        _check_read(pipeline, plan.pieces(pipeline.rank, w.worker), w, ids, head.id)
+    pipeline.reset(buffers)
+    return state
+
+
+def read_buffers(
+    pipeline: StreamPipeline, head: Commit, state: PipelineState
+) -> dict[int, list[int]]:
+    """Buffer contents of ``state``'s rank at ``head``, by worker, in slot order: the
+    ``buffer`` events of the rank's newest segment (one look-up of the newest segments
+    per head, shared by its ranks through ``pipeline.newest``)."""
+    if not any(w.rows_read > w.emitted for w in state.workers):
+        return {}
+    if head.id not in pipeline.newest:  # one look-up per head for all its ranks
+        pipeline.newest = {head.id: newest_segments(pipeline.store, head, len(head.states))}
+    ref = pipeline.newest[head.id][state.rank]
+    if ref is None:
+        raise LogCorrupted(f"commit {head.id} has buffered samples but no segment")
+    table = segments.read(
+        pipeline.store,
+        ref.path,
+        rows=ref.rows,
+        checksum=ref.sha256,
+        columns=["worker", "batch", "position", "sample_id", "kind"],
+    )
+    table = table.filter(pc.equal(table["kind"].cast(pa.string()), BUFFER))
+    table = table.filter(pc.equal(table["batch"], state.batch))
+    buffers = {}
+    for w in state.workers:
+        rows = table.filter(pc.equal(table["worker"], w.worker))
+        order = np.argsort(rows["position"].to_numpy())
+        buffers[w.worker] = rows["sample_id"].to_numpy()[order].tolist()
+    return buffers
+
+
+def _check_read(
+    pipeline: StreamPipeline, pieces: list[Piece], w: WorkerState, ids: list[int], cid: str
+) -> None:
+    """Every buffered id must be a row the worker has already read."""
+    if not ids:
+        return
+    files, rows = pipeline.stream.source.locate(np.array(ids, np.int64))
+    for f, r, sid in zip(files.tolist(), rows.tolist(), ids, strict=True):
+        done = any(
+            pf == f and start <= r < stop and (k < w.shard or (k == w.shard and r < w.row))
+            for k, (pf, start, stop) in enumerate(pieces)
+        )
+        if not done:
+            raise LogCorrupted(
+                f"commit {cid}: worker {w.worker}'s buffer holds sample {sid}, which its "
+                "plan has not read yet: the log and the source disagree"
+            )

@@ -57,7 +57,7 @@ def _generator_seed(generator: Any, what: str) -> int:
 
 
 def _check_dataset(dataset: Any) -> None:
-    from ledger.stream.pipeline import Stream
+    from ledger.stream.spec import Stream
 
     if isinstance(dataset, Stream):
         return

@@ -16,9 +16,9 @@ import ledger.stream.shuffle as shuffle_module
 from ledger.commits import WorkerState
 from ledger.errors import LedgerError
 from ledger.order import _mix_scalar
-from ledger.stream.pipeline import BatchMeta, Feed
 from ledger.stream.replica import Replica
 from ledger.stream.shuffle import IdFeed
+from ledger.stream.worker import BatchMeta, Feed
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

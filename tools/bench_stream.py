@@ -39,6 +39,7 @@ from rich.table import Table
 
 import ledger
 from ledger.stream import Packer, ShardedSource, Stream
+from ledger.stream.pipeline import StreamPipeline
 
 SEQ_LEN = 512
 BUFFER = 1000
@@ -225,11 +226,11 @@ def main_process_work(paths: list[str], tmp: str, workers: int) -> tuple[Table, 
             num_workers=workers,
         )
         loader._ensure_started()
-        driver = loader._stream
-        assert driver is not None
+        driver = loader._pipeline
+        assert isinstance(driver, StreamPipeline)
         # Produce the epoch's batches as the workers would, in the order torch serves them.
         driver.begin(loader.state)
-        ds = driver.dataset
+        ds = driver.torch_dataset
         worker = tud._utils.worker  # the generators read their worker id on their first next()
         infos = [type("Info", (), {"id": w, "num_workers": workers})() for w in range(workers)]
         runs = [iter(ds) for _ in range(workers)]
@@ -248,8 +249,9 @@ def main_process_work(paths: list[str], tmp: str, workers: int) -> tuple[Table, 
         append = loader.log.append
         t0 = time.perf_counter()
         for meta in metas:
-            chunk, state = driver.record(state, meta)
-            append(chunk)
+            state, events = driver.record(state, meta)
+            for chunk in events:
+                append(chunk)
         secs = time.perf_counter() - t0
         samples = sum(m.sample_ids.size for m in metas) / len(metas)
         per256[packed] = secs / len(metas) * 1e6 * 256 / samples

@@ -423,7 +423,8 @@ def materialize(
 
     from ledger.digest import batch_digest
     from ledger.fetch import fetch_batch, rng_of
-    from ledger.stream.pipeline import Stream, rebuild_batch
+    from ledger.stream.sample import rebuild_batch
+    from ledger.stream.spec import Stream
 
     record = show(root, batch, rank, head)
     config = read_run(Store(root))["config"]

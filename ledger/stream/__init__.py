@@ -3,7 +3,9 @@
 Hand a :class:`Stream` to :class:`ledger.DataLoader` in place of a map-style dataset.
 """
 
-from ledger.stream.pipeline import Packer, SampleContext, Stream
+from ledger.stream.packing import Packer
+from ledger.stream.sample import SampleContext
 from ledger.stream.source import ShardedSource
+from ledger.stream.spec import Stream
 
 __all__ = ["Packer", "SampleContext", "ShardedSource", "Stream"]

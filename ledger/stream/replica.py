@@ -11,8 +11,11 @@ import numpy as np
 
 from ledger.commits import WorkerState
 from ledger.errors import LedgerError
-from ledger.stream.pipeline import BatchMeta, EpochPlan, Stream, Tail, buffer_key
+from ledger.stream.packing import PackState, Tail
+from ledger.stream.plan import EpochPlan, buffer_key
 from ledger.stream.shuffle import IdFeed
+from ledger.stream.spec import Stream
+from ledger.stream.worker import BatchMeta
 
 
 class Replica:
@@ -30,15 +33,24 @@ class Replica:
     ) -> None:
         self.feed = feed
         self.worker = worker
-        self.doc = doc
-        self.tails = list(tails)
+        self.packing = PackState(doc, tails, f"worker {worker}")
+
+    @property
+    def doc(self) -> Tail | None:
+        """The packer's sample in progress ``(sample id, tokens packed, length)``."""
+        return self.packing.doc
+
+    @property
+    def tails(self) -> list[Tail]:
+        """Samples another shape left partly packed, still to finish."""
+        return self.packing.tails
 
     def exhausted(self) -> bool:
-        return self.feed.exhausted() and self.doc is None and not self.tails
+        return self.feed.exhausted() and self.packing.exhausted()
 
     def state(self) -> WorkerState:
         f = self.feed
-        d = self.doc if self.doc is not None else (-1, 0, 0)
+        d = self.packing.doc if self.packing.doc is not None else (-1, 0, 0)
         return WorkerState(
             self.worker,
             f.shard,
@@ -47,7 +59,7 @@ class Replica:
             f.draws,
             f.emitted,
             *d,
-            tails=tuple(self.tails),
+            tails=tuple(self.packing.tails),
         )
 
     def fold(self, meta: BatchMeta) -> None:
@@ -57,13 +69,10 @@ class Replica:
             LedgerError: if the batch differs from the prediction (the data or the
                 worker's code is not deterministic).
         """
-        ids = meta.sample_ids
         if meta.spans is None:
-            self._expect(ids)
-        elif self.tails:
-            self._fold_spans_slowly(ids, meta.spans)
+            self._expect(meta.sample_ids)
         else:
-            self._fold_spans(ids, meta.spans)
+            self.packing.fold(meta.sample_ids, meta.spans, self._expect)
 
     def _expect(self, ids: np.ndarray) -> None:
         want = self.feed.take(ids.size)
@@ -77,51 +86,6 @@ class Replica:
                 f"{said}: the pipeline is not deterministic (changed data, or a transform "
                 "that changes the order)"
             )
-
-    def _fold_spans(self, ids: np.ndarray, spans: np.ndarray) -> None:
-        """Packed batch, vectorised: spans continue their document or begin the next."""
-        n = ids.size
-        if n == 0:
-            return
-        start, end, length = spans[:, 0], spans[:, 1], spans[:, 2]
-        # Span i begins a document iff the one before it finished its document.
-        finished = end >= length
-        begins = np.empty(n, bool)
-        begins[0] = self.doc is None
-        begins[1:] = finished[:-1]
-        cont = ~begins
-        prev_ids = np.empty(n, np.int64)
-        prev_end = np.empty(n, np.int64)
-        if self.doc is not None:
-            prev_ids[0], prev_end[0] = self.doc[0], self.doc[1]
-        prev_ids[1:], prev_end[1:] = ids[:-1], end[:-1]
-        bad = (cont & ((ids != prev_ids) | (start != prev_end))) | (begins & (start != 0))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            at = (int(prev_ids[i]), int(prev_end[i])) if cont[i] else None
-            raise LedgerError(
-                f"worker {self.worker} packed tokens [{int(start[i])}, {int(end[i])}) of "
-                f"sample {int(ids[i])}, but its packer was at {at if at else 'a new sample'}"
-            )
-        self._expect(ids[begins])
-        last = n - 1
-        self.doc = None if finished[last] else (int(ids[last]), int(end[last]), int(length[last]))
-
-    def _fold_spans_slowly(self, ids: np.ndarray, spans: np.ndarray) -> None:
-        """Packed batch, span by span: while samples another shape left come first."""
-        for sid, (start, end, length) in zip(ids.tolist(), spans.tolist(), strict=True):
-            if self.doc is None:
-                if self.tails:
-                    self.doc = self.tails.pop(0)
-                elif start == 0:
-                    self._expect(np.array([sid], np.int64))
-                    self.doc = (sid, 0, length)
-            if self.doc is None or self.doc[:2] != (sid, start):
-                raise LedgerError(
-                    f"worker {self.worker} packed tokens [{start}, {end}) of sample {sid}, "
-                    f"but its packer was at {self.doc}"
-                )
-            self.doc = (sid, end, length) if end < length else None
 
 
 def replicas(

@@ -4,7 +4,7 @@ A logical worker's stream of sample ids is a pure function of its plan (the row 
 it reads), its cursor and its shuffle buffer: every shuffle draw comes from a
 counter-based generator (the SplitMix64 finaliser, :func:`ledger.order._mix`, of
 ``key + draws * golden``). :class:`IdFeed` computes the next ``k`` ids in a handful of
-numpy operations; the workers (:class:`ledger.stream.pipeline.Feed`) and the main
+numpy operations; the workers (:class:`ledger.stream.worker.Feed`) and the main
 process's replicas (:mod:`ledger.stream.replica`) both run it.
 
 The shuffle buffer is the reservoir-style buffer of ``tf.data.Dataset.shuffle``: fill

@@ -1,0 +1,267 @@
+"""The pipeline of a map-style dataset: seeded order -> batch requests -> fetch.
+
+How a batch flows:
+
+1. ``_Requests`` (the batch sampler, main process) walks the rank's batch plan from the
+   state the pipeline began from and yields ``(epoch, epoch_batch, batch, position,
+   sample_ids)`` requests; ids come from the seeded epoch order, computed a chunk of
+   batches at a time.
+2. ``_Fetch.__getitems__`` (in a worker, or the main process) fetches the batch with the
+   run's RNG mode (:mod:`ledger.fetch`: seeded once per batch by default), through the
+   dataset's ``__getitems__`` when it has one.
+3. ``_TagCollate`` collates with the user's ``collate_fn`` and tags the batch with its
+   request and the worker id: the compact per-batch delta the main process needs.
+4. :meth:`MapPipeline.record` (main process, when the loader hands the batch to the
+   training loop) checks the batch is the next request, returns its events and
+   advances the state. Prefetched batches are not recorded; after a resume they are
+   simply produced again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import numpy as np
+import torch.utils.data as tud
+
+from ledger.commits import Commit, PipelineState
+from ledger.digest import digest_bytes
+from ledger.errors import LedgerError
+from ledger.fetch import RngMode, fetch_batch
+from ledger.order import BatchPlan, EpochOrder
+from ledger.pipeline import LoaderSettings
+from ledger.replay import advance, replay, resume_elastic
+from ledger.schema import ORDER_ALGORITHM, SAMPLE, SKIP, EventChunk
+from ledger.store import Store
+
+_CHUNK_POSITIONS = 1 << 14  # positions whose ids are computed in one vectorised call
+
+
+class MapDataset(Protocol):
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    epoch: int
+    epoch_batch: int
+    batch: int
+    position: int
+    sample_ids: np.ndarray
+
+
+class _Fetch(tud.Dataset[Any]):
+    """Wraps the user's dataset: fetches a batch request with the run's RNG mode."""
+
+    def __init__(self, dataset: MapDataset, seed: int, rng: RngMode) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.rng = rng
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, request: tuple[int, int, int, int, np.ndarray]) -> tuple[tuple, list]:
+        epoch, epoch_batch, batch, position, ids = request
+        samples = fetch_batch(
+            self.dataset,
+            ids,
+            seed=self.seed,
+            epoch=epoch,
+            position=position,
+            rng=self.rng,
+            main_process=tud.get_worker_info() is None,
+        )
+        return (epoch, epoch_batch, batch), samples
+
+
+class _TagCollate:
+    """Collates with the user's function and tags the batch with its request, the worker
+    and the batch's content digest (computed in the worker, off the training loop)."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], digest: bool) -> None:
+        self.collate_fn = collate_fn
+        self.digest = digest
+
+    def __call__(self, fetched: tuple[tuple[int, int, int], list[Any]]) -> tuple[tuple, Any]:
+        meta, samples = fetched
+        info = tud.get_worker_info()
+        batch = self.collate_fn(samples)
+        digest = digest_bytes(batch) if self.digest else None
+        return (*meta, info.id if info is not None else -1, digest), batch
+
+
+class _Requests:
+    """Batch sampler: the rest of the epoch of the state the pipeline began from.
+
+    Holds the pipeline weakly: torch's DataLoader (held by the pipeline) holds this
+    sampler, so a strong reference would be a cycle that keeps a dropped loader (and its
+    persistent workers) alive until a garbage collection.
+    """
+
+    def __init__(self, pipeline: MapPipeline) -> None:
+        self._pipeline = weakref.ref(pipeline)
+
+    def _get(self) -> MapPipeline:
+        pipeline = self._pipeline()
+        if pipeline is None:
+            raise LedgerError("the ledger.DataLoader of this sampler was garbage-collected")
+        return pipeline
+
+    def __len__(self) -> int:
+        loader = self._get()
+        state = loader.start
+        return loader.plan_at(state).batches_per_epoch - state.epoch_batch
+
+    def __iter__(self) -> Iterator[tuple[int, int, int, int, np.ndarray]]:
+        loader = self._get()
+        state = loader.start
+        plan = loader.plan_at(state)
+        epoch = state.epoch
+        order = loader.order(epoch)
+        inflight = loader.inflight
+        del loader  # a suspended generator must not keep the loader alive
+        end = plan.batches_per_epoch
+        per_chunk = max(1, _CHUNK_POSITIONS // plan.batch_size)
+        k, b = state.epoch_batch, state.batch
+        while k < end:
+            k1 = min(k + per_chunk, end)
+            starts, stops = plan.bounds(k, k1)
+            lens = stops - starts
+            offsets = np.cumsum(lens) - lens
+            positions = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(
+                starts - offsets, lens
+            )
+            ids = order.sample_ids(positions)
+            for start, lo, hi in zip(
+                starts.tolist(), offsets.tolist(), (offsets + lens).tolist(), strict=True
+            ):
+                req = _Request(epoch, k, b, start, ids[lo:hi])
+                inflight.append(req)
+                yield epoch, k, b, start, req.sample_ids
+                k += 1
+                b += 1
+
+
+class MapPipeline:
+    """A map-style dataset's pipeline (:class:`ledger.pipeline.Pipeline`).
+
+    The order of an epoch is a seeded bijection of ``[0, len(dataset))``
+    (:class:`ledger.order.EpochOrder`); ranks take batches in the fixed pattern of
+    :class:`ledger.order.BatchPlan`. The state is where the rank's last consumed batch
+    sits in the plan; nothing else needs logging.
+
+    Args:
+        dataset: ``__len__`` and ``__getitem__(int)`` (and optionally ``__getitems__``).
+        settings: the loader's settings.
+
+    Raises:
+        ValueError: if an epoch would hold no batch.
+    """
+
+    workers = 0
+
+    def __init__(self, dataset: MapDataset, settings: LoaderSettings) -> None:
+        self.dataset = dataset
+        self.settings = settings
+        n = len(dataset)
+        self.plan = BatchPlan(
+            n, settings.batch_size, settings.drop_last, settings.rank, settings.world_size
+        )
+        if self.plan.batches_per_epoch == 0:
+            raise ValueError(
+                f"an epoch of {n} samples holds no batch of {settings.batch_size} samples on "
+                f"{settings.world_size} rank(s) with drop_last={settings.drop_last}"
+            )
+        self.start = self.initial_state()
+        self.inflight: deque[_Request] = deque()
+        self._orders: dict[int, EpochOrder] = {}
+        self.torch_loader = tud.DataLoader(
+            _Fetch(dataset, settings.seed, settings.rng),
+            batch_sampler=_Requests(self),  # type: ignore[arg-type]  # yields requests
+            num_workers=settings.num_workers,
+            collate_fn=_TagCollate(settings.collate_fn, settings.digest),  # type: ignore[arg-type]
+            persistent_workers=settings.persistent_workers,
+            **settings.torch_kwargs,
+        )
+
+    def config(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "dataset_len": self.plan.n,
+            "seed": s.seed,
+            "shuffle": s.shuffle,
+            "batch_size": s.batch_size,
+            "drop_last": s.drop_last,
+            "world_size": s.world_size,
+            "order": ORDER_ALGORITHM,
+            "rng": s.rng,
+        }
+
+    def check_logged(self, logged: dict[str, Any]) -> None:
+        return None  # the generic configuration check names the field
+
+    def batches_per_epoch(self) -> int:
+        return self.plan.batches_per_epoch
+
+    def initial_state(self) -> PipelineState:
+        return PipelineState(self.plan.rank, 0, 0, 0)
+
+    def plan_at(self, state: PipelineState) -> BatchPlan:
+        """This rank's plan for ``state.epoch`` (which may start mid-epoch: elastic resume)."""
+        if state.epoch_start == 0:
+            return self.plan
+        return replace(self.plan, start=state.epoch_start)
+
+    def order(self, epoch: int) -> EpochOrder:
+        """The order of ``epoch`` (the latest one is cached)."""
+        order = self._orders.get(epoch)
+        if order is None:
+            order = EpochOrder(self.plan.n, self.settings.seed, epoch, self.settings.shuffle)
+            self._orders = {epoch: order}
+        return order
+
+    def begin(self, state: PipelineState) -> Iterable[tuple[Any, Any]]:
+        self.start = state
+        self.inflight.clear()
+        return self.torch_loader
+
+    def record(self, state: PipelineState, tag: Any) -> tuple[PipelineState, list[EventChunk]]:
+        epoch, _, batch, worker, digest = tag
+        req = self.inflight.popleft()
+        if req.batch != batch or req.epoch != epoch:
+            raise LedgerError(
+                f"batch {batch} arrived where batch {req.batch} was expected: "
+                "batches must be delivered in order"
+            )
+        events = [
+            EventChunk(
+                SAMPLE, req.epoch, req.batch, worker, req.position, req.sample_ids, digest=digest
+            )
+        ]
+        plan = self.plan if state.epoch_start == 0 else self.plan_at(state)
+        state = advance(state, plan)
+        if state.epoch != req.epoch and plan.rank == 0 and plan.consumed_per_epoch < plan.n:
+            tail = self.order(req.epoch).range(plan.consumed_per_epoch, plan.n)
+            events.append(EventChunk(SKIP, req.epoch, req.batch, -1, plan.consumed_per_epoch, tail))
+        return state, events
+
+    def finish(self, state: PipelineState, start_epoch: int) -> None:
+        return None  # the batch sampler served exactly the epoch's plan
+
+    def snapshot(self, state: PipelineState) -> list[EventChunk]:
+        return []  # the order is a pure function of (seed, epoch): no buffer
+
+    def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
+        if head.world_size != self.plan.world_size:
+            state, skip = resume_elastic(store, head, self.plan, self.order)
+            return state, [skip] if skip is not None else []
+        return replay(store, head, self.plan, self.order), []

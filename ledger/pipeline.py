@@ -1,0 +1,163 @@
+"""The one interface between :class:`ledger.DataLoader` and what turns a dataset into batches.
+
+A *pipeline* is a map-style dataset's (:class:`ledger.mapstyle.MapPipeline`: order ->
+fetch) or a stream's (:class:`ledger.stream.pipeline.StreamPipeline`: shard plan ->
+shuffle buffer -> packing). The loader holds one and never asks which: it
+
+1. stores :meth:`Pipeline.config` in ``run.json`` (what must not change across a resume),
+2. starts from :meth:`Pipeline.initial_state`,
+3. iterates :meth:`Pipeline.begin` (the rest of the state's epoch, as torch batches tagged
+   with what the main process needs to log them),
+4. folds each batch it hands to the training loop with :meth:`Pipeline.record` (the
+   events to log and the state after the batch),
+5. adds :meth:`Pipeline.snapshot` (buffer contents) to each commit, and
+6. on resume, rebuilds the state with :meth:`Pipeline.replay` (:mod:`ledger.replay`).
+
+:func:`build` picks the implementation for a dataset, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ledger.commits import Commit, PipelineState
+from ledger.fetch import RngMode
+from ledger.schema import EventChunk
+from ledger.store import Store
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoaderSettings:
+    """What the loader decided that a pipeline needs (one frozen object, not 14 arguments).
+
+    Attributes:
+        seed: the run's seed.
+        shuffle: shuffle each epoch.
+        batch_size: samples (or packed sequences) per batch on this rank.
+        drop_last: drop an epoch's short last step (map-style datasets).
+        rank, world_size: this rank and the number of ranks.
+        num_workers: torch DataLoader workers (0: the main process).
+        collate_fn: the user's collate function (torch's ``default_collate`` if none).
+        rng: how the dataset's random draws are seeded (:mod:`ledger.fetch`).
+        digest: record each batch's content digest.
+        persistent_workers: keep torch's workers between epochs.
+        torch_kwargs: the other ``torch.utils.data.DataLoader`` arguments.
+        store: the log root.
+    """
+
+    seed: int
+    shuffle: bool
+    batch_size: int
+    drop_last: bool
+    rank: int
+    world_size: int
+    num_workers: int
+    collate_fn: Callable[[list[Any]], Any]
+    rng: RngMode
+    digest: bool
+    persistent_workers: bool
+    torch_kwargs: dict[str, Any]
+    store: Store
+
+
+class Pipeline(Protocol):
+    """What :class:`ledger.DataLoader` needs from a pipeline (see the module docstring).
+
+    Attributes:
+        dataset: the user's dataset object (``ledger show --materialize`` and
+            ``verify_data`` re-create batches through it).
+        workers: logical workers per rank recorded in each state (0: a map-style
+            dataset, whose state holds none).
+        torch_loader: the ``torch.utils.data.DataLoader`` it runs (the loader shuts its
+            workers down on :meth:`ledger.DataLoader.close`).
+    """
+
+    dataset: Any
+    workers: int
+    torch_loader: Any
+
+    def config(self) -> dict[str, Any]:
+        """What must not change across a resume (stored in ``run.json``)."""
+        ...
+
+    def check_logged(self, logged: dict[str, Any]) -> None:
+        """Refuse a resume whose input changed, naming what changed, before the generic
+        configuration check (``logged``: the run's stored configuration).
+
+        Raises:
+            ConfigMismatch: naming the first input (e.g. a shard) that changed.
+        """
+        ...
+
+    def batches_per_epoch(self) -> int:
+        """Batches per epoch on this rank.
+
+        Raises:
+            TypeError: if it is not known in advance (a stream's depends on packing).
+        """
+        ...
+
+    def initial_state(self) -> PipelineState:
+        """The state at the start of the run (and forget any replayed buffers)."""
+        ...
+
+    def begin(self, state: PipelineState) -> Iterable[tuple[Any, Any]]:
+        """The rest of ``state``'s epoch: ``(tag, batch)`` pairs from torch's loader.
+
+        Raises:
+            LedgerError: if this rank has nothing to serve in the epoch.
+        """
+        ...
+
+    def record(self, state: PipelineState, tag: Any) -> tuple[PipelineState, list[EventChunk]]:
+        """Fold one batch handed to the training loop: the state after it, and its events.
+
+        Raises:
+            LedgerError: if the batch is not the one the pipeline predicts.
+        """
+        ...
+
+    def finish(self, state: PipelineState, start_epoch: int) -> None:
+        """Check, when torch's iterator ends, that the epoch begun in ``start_epoch`` is over.
+
+        Raises:
+            LedgerError: if torch ended the epoch while samples were left.
+        """
+        ...
+
+    def snapshot(self, state: PipelineState) -> list[EventChunk]:
+        """Events that hold what the state alone does not (``buffer`` events), at a commit."""
+        ...
+
+    def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
+        """Rebuild this rank's state at ``head`` from the log, and verify it.
+
+        Returns:
+            The state, and events to log when the new attempt starts (``skip`` events
+            of a tail an elastic resume cannot serve).
+
+        Raises:
+            LogCorrupted, ResumeMismatch: if the log is inconsistent, or the pipeline
+                would not continue it exactly.
+        """
+        ...
+
+
+def build(dataset: Any, settings: LoaderSettings) -> Pipeline:
+    """The pipeline of ``dataset``: a :class:`ledger.stream.Stream`'s, or a map-style one's.
+
+    Raises:
+        ValueError: if the arguments do not fit the dataset's kind, or an epoch would
+            hold no batch.
+    """
+    from ledger.stream.spec import Stream
+
+    if isinstance(dataset, Stream):
+        from ledger.stream.pipeline import StreamPipeline
+
+        return StreamPipeline(dataset, settings)
+    from ledger.mapstyle import MapPipeline
+
+    return MapPipeline(dataset, settings)

@@ -1,0 +1,234 @@
+"""Sequence packing: one state machine for the workers, the replicas and re-creation.
+
+A packer concatenates tokenised samples, each followed by EOS, into sequences of
+``seq_len`` tokens; a sample that does not fit is split and its rest starts the next
+sequence. Which tokens of which sample land where is a pure function of the packer's
+state (:class:`PackState`: the sample in progress and the samples another shape left
+partly packed) and of the lengths of the samples that come next, so three places run
+the same machine:
+
+- a worker packs real tokens (:meth:`PackState.pack` chooses the spans,
+  :func:`assemble` copies the tokens);
+- the main process's replica folds the logged spans ids-only
+  (:meth:`PackState.fold`, vectorised), checking they continue the packer's state;
+- ``ledger show --materialize`` re-creates a logged batch from its spans
+  (:func:`assemble`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ledger.errors import LedgerError
+
+Tail = tuple[int, int, int]  # (sample id, tokens already packed, length in tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Packer:
+    """Concatenates tokenised samples, each followed by ``eos_id``, into sequences.
+
+    A sample that does not fit is split: the rest starts the next sequence. The last
+    sequence of a logical worker's epoch is padded with ``pad_id`` (its ``sample_ids`` are
+    ``-1`` there), so every token of every sample is served exactly once per epoch.
+
+    Args:
+        seq_len: tokens per sequence (>= 1).
+        eos_id: token appended after each sample.
+        pad_id: token that fills the end of a worker's last sequence of an epoch.
+    """
+
+    seq_len: int
+    eos_id: int = 0
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+
+
+class PackState:
+    """Where a packer stands between two batches.
+
+    Args:
+        doc: the sample in progress ``(sample id, tokens packed, length)``, or ``None``
+            when the next span begins a sample.
+        tails: samples another shape left partly packed, to finish first (in order).
+        who: how errors name the packer (e.g. ``"worker 3"``).
+    """
+
+    __slots__ = ("doc", "tails", "who")
+
+    def __init__(self, doc: Tail | None, tails: list[Tail], who: str = "the packer") -> None:
+        self.doc = doc
+        self.tails = list(tails)
+        self.who = who
+
+    def exhausted(self) -> bool:
+        """No sample in progress and no tail left."""
+        return self.doc is None and not self.tails
+
+    def pack(
+        self,
+        seq_len: int,
+        sequences: int,
+        pull: Callable[[], tuple[int, int] | None],
+        open_tail: Callable[[Tail], None],
+    ) -> list[tuple[int, int, int, int]]:
+        """Choose the spans of up to ``sequences`` sequences (the worker's side).
+
+        Tails come first, then samples from ``pull``. A sequence is filled before the
+        next begins; only the last one of the worker's epoch may be short.
+
+        Args:
+            seq_len: tokens per sequence.
+            sequences: sequences wanted (the batch size).
+            pull: the next sample ``(sample id, length in tokens)``, or ``None`` at the
+                end of the worker's epoch.
+            open_tail: called with a tail before its first span (to load its tokens).
+
+        Returns:
+            Spans ``(sample id, token start, token end, length)`` in packing order.
+        """
+        spans: list[tuple[int, int, int, int]] = []
+        for _ in range(sequences):
+            n = 0
+            while n < seq_len:
+                if self.doc is None and self.tails:
+                    self.doc = self.tails.pop(0)
+                    open_tail(self.doc)
+                if self.doc is None:
+                    nxt = pull()
+                    if nxt is None:
+                        break
+                    self.doc = (nxt[0], 0, nxt[1])
+                sid, off, length = self.doc
+                take = min(seq_len - n, length - off)
+                spans.append((sid, off, off + take, length))
+                self.doc = (sid, off + take, length) if off + take < length else None
+                n += take
+            if n == 0:
+                break
+        return spans
+
+    def fold(
+        self, ids: np.ndarray, spans: np.ndarray, expect: Callable[[np.ndarray], None]
+    ) -> None:
+        """Advance by a batch's logged spans (the replica's side), checking each continues
+        the sample in progress or begins one.
+
+        Args:
+            ids: ``int64 (rows,)``: the sample of each span.
+            spans: ``int64 (rows, 3)``: ``token_start, token_end, length``.
+            expect: checks the ids of the samples that begin here, in order, against the
+                worker's id stream.
+
+        Raises:
+            LedgerError: if a span does not continue the packer's state.
+        """
+        if self.tails:
+            self._fold_slowly(ids, spans, expect)
+            return
+        n = ids.size
+        if n == 0:
+            return
+        start, end, length = spans[:, 0], spans[:, 1], spans[:, 2]
+        # Span i begins a document iff the one before it finished its document.
+        finished = end >= length
+        begins = np.empty(n, bool)
+        begins[0] = self.doc is None
+        begins[1:] = finished[:-1]
+        cont = ~begins
+        prev_ids = np.empty(n, np.int64)
+        prev_end = np.empty(n, np.int64)
+        if self.doc is not None:
+            prev_ids[0], prev_end[0] = self.doc[0], self.doc[1]
+        prev_ids[1:], prev_end[1:] = ids[:-1], end[:-1]
+        bad = (cont & ((ids != prev_ids) | (start != prev_end))) | (begins & (start != 0))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            at = (int(prev_ids[i]), int(prev_end[i])) if cont[i] else None
+            raise LedgerError(
+                f"{self.who} packed tokens [{int(start[i])}, {int(end[i])}) of "
+                f"sample {int(ids[i])}, but its packer was at {at if at else 'a new sample'}"
+            )
+        expect(ids[begins])
+        last = n - 1
+        self.doc = None if finished[last] else (int(ids[last]), int(end[last]), int(length[last]))
+
+    def _fold_slowly(
+        self, ids: np.ndarray, spans: np.ndarray, expect: Callable[[np.ndarray], None]
+    ) -> None:
+        """Span by span: while samples another shape left come first."""
+        for sid, (start, end, length) in zip(ids.tolist(), spans.tolist(), strict=True):
+            if self.doc is None:
+                if self.tails:
+                    self.doc = self.tails.pop(0)
+                elif start == 0:
+                    expect(np.array([sid], np.int64))
+                    self.doc = (sid, 0, length)
+            if self.doc is None or self.doc[:2] != (sid, start):
+                raise LedgerError(
+                    f"{self.who} packed tokens [{start}, {end}) of sample {sid}, "
+                    f"but its packer was at {self.doc}"
+                )
+            self.doc = (sid, end, length) if end < length else None
+
+
+def assemble(
+    packer: Packer,
+    ids: list[int],
+    spans: list[tuple[int, int, int]],
+    tokens: Callable[[int], np.ndarray],
+) -> dict[str, torch.Tensor]:
+    """Lay spans out into sequences and copy their tokens: the batch a packed stream yields.
+
+    A sequence is filled before the next one begins; the last may be short and is padded
+    with ``pad_id`` (its ``sample_ids`` are ``-1`` there).
+
+    Args:
+        packer: the stream's packer.
+        ids: the sample of each span.
+        spans: ``(token_start, token_end, length)`` of each span.
+        tokens: a sample's tokens (``int64 (length,)``, EOS included) by sample id.
+
+    Returns:
+        ``{"tokens", "sample_ids"}``: ``int64 (sequences, seq_len)`` each.
+
+    Raises:
+        LedgerError: if a sample's length differs from its span's, or the spans are not
+            a packing of this packer (changed data or a transform that is not
+            deterministic).
+    """
+    seq_len = packer.seq_len
+    out_tokens: list[np.ndarray] = []
+    owners: list[np.ndarray] = []
+    n = seq_len  # the sequence being filled is full: start a new one
+    for sid, (start, end, length) in zip(ids, spans, strict=True):
+        doc = tokens(sid)
+        take = end - start
+        if len(doc) != length or not 0 <= start < end <= length or take > seq_len:
+            raise LedgerError(
+                f"sample {sid} has {len(doc)} tokens now; the log packed tokens "
+                f"[{start}, {end}) of {length}: the data or the transform changed"
+            )
+        if n + take > seq_len:
+            if n < seq_len:  # the packer fills a sequence before it begins the next
+                raise LedgerError(
+                    f"the log packs a span of {take} tokens of sample {sid} into a sequence "
+                    f"with {seq_len - n} tokens left: it is not this stream's packing"
+                )
+            out_tokens.append(np.full(seq_len, packer.pad_id, np.int64))
+            owners.append(np.full(seq_len, -1, np.int64))
+            n = 0
+        out_tokens[-1][n : n + take] = doc[start:end]
+        owners[-1][n : n + take] = sid
+        n += take
+    return {
+        "tokens": torch.from_numpy(np.stack(out_tokens)),
+        "sample_ids": torch.from_numpy(np.stack(owners)),
+    }

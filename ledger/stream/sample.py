@@ -1,0 +1,126 @@
+"""One sample as a worker makes it (transform with its seeded context), and a logged
+batch of a stream made again from its samples."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ledger.order import rngs_preserved, sample_seed, seed_globals
+from ledger.stream.packing import assemble
+
+if TYPE_CHECKING:
+    from ledger.stream.spec import Stream
+
+
+class SampleContext:
+    """What a transform gets besides the record.
+
+    Attributes:
+        sample_id: the sample's id (global row number).
+        epoch: the epoch.
+        draws: values recorded with :meth:`record` (logged with the sample).
+    """
+
+    __slots__ = ("_rng", "_run_seed", "_seed", "draws", "epoch", "sample_id")
+
+    def __init__(self, sample_id: int, epoch: int, seed: int | None, *, run_seed: int = 0) -> None:
+        self.sample_id = sample_id
+        self.epoch = epoch
+        self._seed = seed  # None: derived from run_seed when first asked for
+        self._run_seed = run_seed
+        self._rng: np.random.Generator | None = None
+        self.draws: dict[str, Any] = {}
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """A numpy ``Generator`` (PCG64) seeded from ``(seed, epoch, sample id)``."""
+        if self._rng is None:
+            if self._seed is None:
+                self._seed = sample_seed(self._run_seed, self.epoch, self.sample_id)
+            self._rng = np.random.Generator(np.random.PCG64(self._seed))
+        return self._rng
+
+    def record(self, **values: Any) -> None:
+        """Log JSON-serialisable values with the sample (e.g. the augmentation drawn)."""
+        self.draws.update(values)
+
+
+def load_sample(
+    stream: Stream,
+    seed: int,
+    epoch: int,
+    sid: int,
+    record: dict[str, Any],
+    per_sample_rng: bool,
+) -> tuple[Any, str | None]:
+    """Transform one record as a worker does: ``(item, JSON of its draws or None)``.
+
+    The transform gets a :class:`SampleContext` seeded from ``f(seed, epoch, sid)``;
+    with ``per_sample_rng`` torch, numpy and ``random`` are seeded from it too. A packed
+    stream's item is its tokens (``int64 (length,)``) with the EOS token appended.
+    """
+    if per_sample_rng:
+        s = sample_seed(seed, epoch, sid)
+        seed_globals(s)
+        ctx = SampleContext(sid, epoch, s)
+    else:  # the seed is derived only if the transform asks for ctx.rng
+        ctx = SampleContext(sid, epoch, None, run_seed=seed)
+    item = stream.transform(record, ctx) if stream.transform else record
+    if stream.packer is not None:
+        tokens = np.asarray(item, dtype=np.int64).reshape(-1)
+        item = np.append(tokens, np.int64(stream.packer.eos_id))
+    draws = json.dumps(ctx.draws, sort_keys=True) if ctx.draws else None
+    return item, draws
+
+
+def rebuild_batch(
+    stream: Stream,
+    seed: int,
+    epoch: int,
+    events: Any,
+    per_sample_rng: bool,
+    collate_fn: Callable[[list[Any]], Any],
+) -> Any:
+    """Re-create a logged batch of ``stream`` from its events (see :func:`load_sample`).
+
+    Args:
+        stream: the run's stream.
+        seed: the run's seed.
+        epoch: the batch's epoch.
+        events: the batch's ``sample``/``span`` events in batch order (an Arrow table
+            with ``sample_id``, ``token_start``, ``token_end`` and ``length`` columns).
+        per_sample_rng: whether the run seeded the global RNGs per sample.
+        collate_fn: the run's collate function (unpacked streams).
+
+    Returns:
+        The batch: ``collate_fn(items)``, or for a packed stream the dict of ``tokens``
+        and ``sample_ids`` (``int64 (sequences, seq_len)`` each) that the loader yields.
+
+    Raises:
+        LedgerError: if a sample's length or a span differs from the log (changed data
+            or a transform that is not deterministic).
+    """
+    ids = [int(i) for i in events.column("sample_id").to_pylist()]
+    unique = sorted(set(ids))
+    records = dict(zip(unique, stream.source.read(unique), strict=True))
+    with rngs_preserved(True):
+        items = {
+            sid: load_sample(stream, seed, epoch, sid, records[sid], per_sample_rng)[0]
+            for sid in dict.fromkeys(ids)
+        }
+    packer = stream.packer
+    if packer is None:
+        return collate_fn([items[sid] for sid in ids])
+    spans = list(
+        zip(
+            events.column("token_start").to_pylist(),
+            events.column("token_end").to_pylist(),
+            events.column("length").to_pylist(),
+            strict=True,
+        )
+    )
+    return assemble(packer, ids, spans, items.__getitem__)

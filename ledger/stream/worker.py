@@ -1,0 +1,386 @@
+"""A logical worker of a stream: reads rows, transforms, shuffles, packs and batches.
+
+Each rank runs ``max(num_workers, 1)`` *logical workers*. Per epoch, a seeded plan
+(:mod:`ledger.stream.plan`) deals the shards to the ``world_size * workers`` logical
+workers round robin; each logical worker reads its shards in order, row by row, through
+its own shuffle buffer, whose draws come from a counter-based generator keyed by
+``(seed, epoch, rank, worker)``. Every step is deterministic, so the stream of a logical
+worker is a pure function of its state (:class:`ledger.commits.WorkerState`) and its
+buffer's contents.
+
+Shuffle buffer algorithm: the reservoir-style buffer of ``tf.data.Dataset.shuffle``
+(fill to ``size``; then each output is a uniformly drawn slot, refilled with the next
+row; at the end of the stream the remaining slots are drawn without replacement).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ledger.commits import WorkerState
+from ledger.digest import digest_bytes
+from ledger.errors import LedgerError
+from ledger.order import rngs_preserved
+from ledger.stream.packing import PackState, Tail, assemble
+from ledger.stream.plan import EpochPlan, buffer_key
+from ledger.stream.sample import load_sample
+from ledger.stream.shuffle import IdFeed, Piece, skip_empty
+from ledger.stream.source import ShardedSource
+from ledger.stream.spec import Stream
+
+Loaded = tuple[int, Any]  # (sample id, payload)
+
+
+class Feed:
+    """One logical worker's shuffled stream of samples with their payloads.
+
+    The ids come from :class:`~ledger.stream.shuffle.IdFeed` (the same computation the
+    main process's replica runs); the rows are read in order as its cursor advances,
+    transformed, and held by sample id until the buffer hands them on. Ids are taken a
+    few at a time: as many as the caller says it needs, else 1, 2, 4, ... up to
+    :data:`_AHEAD`, so a resumed worker reads no row its first batch does not need.
+
+    Args:
+        source: the rows.
+        pieces: the worker's row ranges ``(shard, start, stop)`` in reading order.
+        state: where the worker stands.
+        buffer: sample ids in the buffer's slots, in slot order.
+        payloads: payloads of those slots.
+        size: buffer size (rows).
+        key: 64-bit key of the buffer's counter-based generator.
+        read: ``(shard, row, stop) -> iterator of payloads of that shard from that row``.
+    """
+
+    def __init__(
+        self,
+        source: ShardedSource,
+        pieces: list[Piece],
+        state: WorkerState,
+        buffer: list[int],
+        payloads: list[Any],
+        size: int,
+        key: int,
+        read: Callable[[int, int, int], Iterator[Any]],
+    ) -> None:
+        self.ids = IdFeed(source, pieces, state, buffer, size, key)
+        self._held = dict(zip(buffer, payloads, strict=True))
+        self._pieces = pieces
+        self._base = [int(source.offsets[f]) for f, _, _ in pieces]
+        self._shard = state.shard
+        self._row = state.row
+        self._rows_read = state.rows_read
+        self._read = read
+        self._rows: Iterator[Any] | None = None
+        self._queue: list[int] = []
+        self._next = 0
+        self._ahead = 1
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        shard, self._row = skip_empty(self._pieces, self._shard, self._row)
+        if shard != self._shard:
+            self._shard, self._rows = shard, None
+
+    def _read_until(self, rows_read: int) -> None:
+        """Read (and transform) rows in order until ``rows_read`` rows were read."""
+        held = self._held
+        while self._rows_read < rows_read:
+            file, _, stop = self._pieces[self._shard]
+            if self._rows is None:
+                self._rows = self._read(file, self._row, stop)
+            n = min(stop - self._row, rows_read - self._rows_read)
+            base = self._base[self._shard] + self._row
+            for i, payload in enumerate(itertools.islice(self._rows, n)):
+                held[base + i] = payload
+            self._row += n
+            self._rows_read += n
+            self._skip_empty()
+
+    def next(self, wanted: int = 0) -> Loaded | None:
+        """The next sample of the shuffled stream, or ``None`` at the end of the epoch.
+
+        Args:
+            wanted: how many samples the caller will ask for at least (0: unknown).
+        """
+        if self._next == len(self._queue):
+            count = min(max(wanted, self._ahead), _AHEAD)
+            self._ahead = min(2 * self._ahead, _AHEAD)
+            self._queue = self.ids.take(count).tolist()
+            self._next = 0
+            if not self._queue:
+                return None
+            self._read_until(self.ids.rows_read)
+        sid = self._queue[self._next]
+        self._next += 1
+        return sid, self._held.pop(sid)
+
+
+_AHEAD = 64
+"""Sample ids a worker's :class:`Feed` takes from its id stream at once."""
+
+
+@dataclass(slots=True)
+class BatchMeta:
+    """What a worker sends with each batch: enough for the main process to log it.
+
+    Attributes:
+        worker: logical worker id.
+        epoch: epoch.
+        sample_ids: ``int64 (rows,)``: one per sample (no packing) or per span.
+        spans: ``int64 (rows, 3)``: ``token_start, token_end, length`` per span, or
+            ``None`` without packing.
+        draws: per row, the JSON of the draws recorded for the sample (or ``None``);
+            ``None`` when no row recorded any.
+        digest: content digest of the batch (32 bytes, :func:`ledger.digest.digest_bytes`),
+            or ``None`` when the loader does not record digests.
+    """
+
+    worker: int
+    epoch: int
+    sample_ids: np.ndarray
+    spans: np.ndarray | None
+    draws: list[str | None] | None
+    digest: bytes | None = None
+
+
+class WorkerRun:
+    """The real pipeline of one logical worker: reads, transforms, shuffles, packs, batches.
+
+    Args:
+        stream: the stream.
+        plan: the epoch's plan.
+        rank: the rank.
+        worker: logical worker id.
+        state: where the worker starts.
+        buffer: sample ids in its buffer (from the log), in slot order.
+        seed: the run's seed.
+        batch_size: items per batch.
+        collate_fn: collates the items of a batch (no packing).
+        per_sample_rng: also seed torch, numpy and ``random`` per sample.
+    """
+
+    def __init__(
+        self,
+        stream: Stream,
+        plan: EpochPlan,
+        rank: int,
+        worker: int,
+        state: WorkerState,
+        buffer: list[int],
+        seed: int,
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any],
+        per_sample_rng: bool,
+    ) -> None:
+        self.stream = stream
+        self.epoch = plan.epoch
+        self.worker = worker
+        self.seed = seed
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn
+        self.per_sample_rng = per_sample_rng
+        source = stream.source
+        payloads = [self._load(s, r) for s, r in zip(buffer, source.read(buffer), strict=True)]
+        self.feed = Feed(
+            source,
+            plan.pieces(rank, worker),
+            state,
+            buffer,
+            payloads,
+            stream.shuffle_buffer,
+            buffer_key(seed, plan.epoch, rank, worker),
+            self._read,
+        )
+        self.packing = PackState(
+            (state.doc, state.doc_offset, state.doc_length) if state.doc >= 0 else None,
+            list(state.tails),
+            f"worker {worker}",
+        )
+        # Tokens (and draws) of the samples being packed, by sample id.
+        self._docs: dict[int, tuple[np.ndarray, str | None]] = {}
+        if self.packing.doc is not None:
+            self._open_tail(self.packing.doc)
+
+    def _open_tail(self, tail: Tail) -> None:
+        """Re-read a partly packed sample, to go on from its offset."""
+        sid, _, length = tail
+        item, _ = self._load(sid, self.stream.source.read([sid])[0])
+        if len(item) != length:
+            raise LedgerError(
+                f"sample {sid} has {len(item)} tokens now, the log says {length}: the "
+                "transform is not deterministic"
+            )
+        self._docs[sid] = (item, None)  # its draws were logged with its first span
+
+    def _pull(self) -> tuple[int, int] | None:
+        nxt = self.feed.next()
+        if nxt is None:
+            return None
+        sid, (item, draws) = nxt
+        self._docs[sid] = (item, draws)
+        return sid, len(item)
+
+    def _read(self, shard: int, row: int, stop: int) -> Iterator[tuple[Any, str | None]]:
+        source = self.stream.source
+        base = int(source.offsets[shard]) + row
+        if stop - row == 1:  # a single row (e.g. a carried buffer slot): random access
+            yield self._load(base, source.read([base])[0])
+            return
+        for i, record in enumerate(source.iter_shard(shard, row)):
+            yield self._load(base + i, record)
+
+    def _load(self, sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
+        return load_sample(self.stream, self.seed, self.epoch, sid, record, self.per_sample_rng)
+
+    def batches(self) -> Iterator[tuple[BatchMeta, Any]]:
+        """``(meta, collated batch)`` until the worker's epoch ends (last batch may be short)."""
+        while True:
+            if self.stream.packer is None:
+                meta, data = self._items()
+            else:
+                meta, data = self._sequences()
+            if meta.sample_ids.size == 0 and not data:
+                return
+            yield meta, data if self.stream.packer is not None else self.collate_fn(data)
+
+    def _items(self) -> tuple[BatchMeta, Any]:
+        ids: list[int] = []
+        items: list[Any] = []
+        draws: list[str | None] = []
+        while len(items) < self.batch_size:
+            nxt = self.feed.next(self.batch_size - len(items))
+            if nxt is None:
+                break
+            ids.append(nxt[0])
+            items.append(nxt[1][0])
+            draws.append(nxt[1][1])
+        meta = BatchMeta(self.worker, self.epoch, np.array(ids, np.int64), None, _drawn(draws))
+        return meta, items
+
+    def _sequences(self) -> tuple[BatchMeta, Any]:
+        packer = self.stream.packer
+        assert packer is not None
+        chosen = self.packing.pack(packer.seq_len, self.batch_size, self._pull, self._open_tail)
+        docs = self._docs
+        ids = [sid for sid, _, _, _ in chosen]
+        spans = [(start, end, length) for _, start, end, length in chosen]
+        draws = [docs[sid][1] if start == 0 else None for sid, start, _, _ in chosen]
+        meta = BatchMeta(
+            self.worker,
+            self.epoch,
+            np.array(ids, np.int64),
+            np.array(spans, np.int64).reshape(-1, 3),
+            _drawn(draws),
+        )
+        if not chosen:
+            return meta, None
+        data = assemble(packer, ids, spans, lambda sid: docs[sid][0])
+        doc = self.packing.doc
+        kept = docs.get(doc[0]) if doc is not None else None
+        docs.clear()  # only the sample in progress is still needed
+        if doc is not None and kept is not None:
+            docs[doc[0]] = kept
+        return meta, data
+
+
+def _drawn(draws: list[str | None]) -> list[str | None] | None:
+    """``None`` for a batch whose samples recorded no draws (the common case), so the
+    main process need not look at each row."""
+    return draws if any(d is not None for d in draws) else None
+
+
+class StreamDataset(torch.utils.data.IterableDataset):
+    """What torch's DataLoader iterates: each (physical) worker runs one logical worker.
+
+    Physical worker ``p`` plays logical worker ``(p + start.next_worker) % workers``, so
+    after a resume the worker whose batch comes first is the one that was next in the
+    uninterrupted run (torch serves workers round robin, skipping finished ones).
+    The loader sets :attr:`start` and :attr:`buffers` before each iteration.
+    """
+
+    def __init__(
+        self,
+        stream: Stream,
+        seed: int,
+        shuffle: bool,
+        rank: int,
+        world_size: int,
+        workers: int,
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any],
+        per_sample_rng: bool,
+        digest: bool = True,
+    ) -> None:
+        self.stream = stream
+        self.seed = seed
+        self.digest = digest
+        self.shuffle = shuffle
+        self.rank = rank
+        self.world_size = world_size
+        self.workers = workers
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn
+        self.per_sample_rng = per_sample_rng
+        self.start: Any = None  # PipelineState
+        self.buffers: dict[int, list[int]] = {}
+        self.epoch_plan: EpochPlan | None = None  # of start.epoch
+
+    def plan(
+        self,
+        epoch: int,
+        carry: dict[int, tuple[list[Piece], list[Tail]]] | None = None,
+        world_size: int | None = None,
+        workers: int | None = None,
+    ) -> EpochPlan:
+        return EpochPlan(
+            self.stream.source,
+            self.seed,
+            epoch,
+            self.shuffle,
+            world_size or self.world_size,
+            workers or self.workers,
+            carry,
+        )
+
+    def __iter__(self) -> Iterator[tuple[BatchMeta, Any]]:
+        info = torch.utils.data.get_worker_info()
+        start = self.start
+        worker = ((info.id if info is not None else 0) + start.next_worker) % self.workers
+        # In the main process the global RNGs belong to the training loop: per-sample
+        # seeding (while refilling a resumed buffer, and while producing each batch)
+        # must not leak into it.
+        guard = info is None and self.per_sample_rng
+        assert self.epoch_plan is not None and self.epoch_plan.epoch == start.epoch
+        with rngs_preserved(guard):
+            run = WorkerRun(
+                self.stream,
+                self.epoch_plan,
+                self.rank,
+                worker,
+                start.workers[worker],
+                self.buffers.get(worker, []),
+                self.seed,
+                self.batch_size,
+                self.collate_fn,
+                self.per_sample_rng,
+            )
+        batches = run.batches()
+        while True:
+            with rngs_preserved(guard):
+                item = next(batches, None)
+            if item is None:
+                return
+            if self.digest:
+                item[0].digest = digest_bytes(item[1])
+            yield item
+
+
+def identity(item: Any) -> Any:
+    """Collate function for pre-batched items (module level: picklable for workers)."""
+    return item
