@@ -1,8 +1,8 @@
 """ledger: exactly resumable, auditable PyTorch data pipelines.
 
-Public API: :class:`DataLoader`, :class:`Ledger`, :class:`EpochOrder`,
-:func:`sample_seeds`, :mod:`ledger.errors`, :mod:`ledger.testing`, :mod:`ledger.audit`,
-:mod:`ledger.preemption`.
+Public API: :class:`DataLoader`, :class:`Ledger`, :class:`Mixture` and :class:`Schedule`
+(weighted mixtures), :class:`EpochOrder`, :func:`sample_seeds`, :mod:`ledger.errors`,
+:mod:`ledger.testing`, :mod:`ledger.audit`, :mod:`ledger.preemption`.
 
 The names are imported on first use (PEP 562), so ``ledger.audit`` and the ``ledger``
 command do not import torch.
@@ -19,18 +19,24 @@ if TYPE_CHECKING:
     from ledger import preemption
     from ledger.loader import DataLoader
     from ledger.log import Ledger
+    from ledger.mixture import Mixture, Schedule
     from ledger.order import EpochOrder, sample_seeds
 
 _LAZY = {
     "DataLoader": "ledger.loader",
     "Ledger": "ledger.log",
+    "Mixture": "ledger.mixture",
+    "Schedule": "ledger.mixture",
     "EpochOrder": "ledger.order",
     "sample_seeds": "ledger.order",
 }
 
 _SUBMODULES = ("preemption",)
 
-__all__ = ["DataLoader", "EpochOrder", "Ledger", "errors", "preemption", "sample_seeds"]
+__all__ = [
+    "DataLoader", "EpochOrder", "Ledger", "Mixture", "Schedule", "errors", "preemption",
+    "sample_seeds",
+]  # fmt: skip
 __version__ = "0.1.0"
 
 

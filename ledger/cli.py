@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from ledger import __version__
-from ledger.audit.names import CHECKS, VIEWS
+from ledger.audit.names import ALL_CHECKS, CHECKS, MIXTURE_CHECKS, VIEWS
 from ledger.errors import LedgerError
 
 if TYPE_CHECKING:  # imported where used: `ledger --help` must not import DuckDB or pandas
@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # imported where used: `ledger --help` must not import DuckDB
 
     from ledger.audit import Summary
     from ledger.audit.checks import CheckResult
+    from ledger.audit.mixture import MixtureSummary
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -184,9 +185,9 @@ def _commit(root: str, text: str | None) -> str | None:
     "--check",
     "checks",
     multiple=True,
-    type=click.Choice((*CHECKS, "all")),
+    type=click.Choice((*ALL_CHECKS, "all")),
     help="Run a named check instead of printing the summary (repeatable; 'all' runs "
-    "every one). Exit status 3 if one fails.",
+    "every one; 'mixture' only for a ledger.Mixture). Exit status 3 if one fails.",
 )
 @click.option(
     "--allow-uncommitted",
@@ -246,8 +247,9 @@ def audit(
     coverage (finished epochs hold every sample), duplicates (none in an epoch),
     skips (only drop_last's tail), abandoned (no sample seen off the lineage: abandoned
     branches, uncommitted batches, orphan segments), progress (no rank goes back),
-    skew (ranks within --max-skew samples). The views are read-only: a query cannot read
-    or write other files.
+    skew (ranks within --max-skew samples), mixture (each source of a ledger.Mixture got
+    its target share, within 4 binomial standard deviations). The views are read-only:
+    a query cannot read or write other files.
 
     Example:
 
@@ -273,7 +275,14 @@ def audit(
         _audit_spark(root, sql, head, checks, allow_uncommitted, max_rows, max_skew, master, fmt)
         return
     if checks:
-        names = CHECKS if "all" in checks else tuple(dict.fromkeys(checks))
+        if "all" in checks:
+            from ledger.commits import read_run
+            from ledger.store import Store
+
+            mixed = "mixture" in read_run(Store(root))["config"]
+            names: tuple[str, ...] = (*CHECKS, *MIXTURE_CHECKS) if mixed else CHECKS
+        else:
+            names = tuple(dict.fromkeys(checks))
         with _progress("scanning segments") as progress:
             results = check(
                 root,
@@ -290,7 +299,7 @@ def audit(
     if sql is None:
         with _progress("scanning segments") as progress:
             s = summarize(root, head, progress)
-        _print_summary(s, fmt)
+        _print_summary(s, fmt, _mixture_summary(root, s.head))
         return
     if sql == "-":
         sql = sys.stdin.read()
@@ -865,12 +874,50 @@ def _print_table(
         console.print(f"{count} rows ({len(first) + len(last)} shown)", soft_wrap=True)
 
 
-def _print_summary(s: Summary, fmt: str) -> None:
+def _mixture_summary(root: str, head: str | None) -> MixtureSummary | None:
+    """The shares of a mixture run (``None`` for other runs)."""
+    from ledger.audit import connect
+    from ledger.audit.mixture import summarize_mixture
+    from ledger.commits import read_run
+    from ledger.store import Store
+
+    config = read_run(Store(root))["config"]
+    if "mixture" not in config:
+        return None
+    con = connect(root, head)
+    try:
+        return summarize_mixture(con, config)
+    finally:
+        con.close()
+
+
+def _print_mixture(m: MixtureSummary) -> None:
+    from rich.table import Table
+
+    console = _console(sys.stdout)
+    sources = Table("source", "samples", "share", "target", "expected", "within", title="Mixture")
+    for x in m.sources:
+        sources.add_row(
+            x.source, str(x.count), f"{x.share:.2%}", f"{x.target:.2%}",
+            f"{x.expected:.0f} ± {x.tolerance:.0f}", "yes" if x.ok else "NO",
+        )  # fmt: skip
+    console.print(sources)
+    names = [x.source for x in m.sources]
+    steps = Table("steps", *names, title="Shares over steps")
+    for first, last, shares in m.steps:
+        steps.add_row(f"{first}-{last}", *(f"{shares[n]:.1%}" for n in names))
+    console.print(steps)
+
+
+def _print_summary(s: Summary, fmt: str, mixture: MixtureSummary | None = None) -> None:
     from rich.table import Table
 
     if fmt in ("json", "ndjson"):
         indent = 2 if fmt == "json" else None
-        click.echo(json.dumps(dataclasses.asdict(s), indent=indent))
+        out = dataclasses.asdict(s)
+        if mixture is not None:  # only mixture runs have the key
+            out["mixture"] = dataclasses.asdict(mixture)
+        click.echo(json.dumps(out, indent=indent))
         return
     if fmt == "csv":
         raise click.ClickException(
@@ -937,6 +984,8 @@ def _print_summary(s: Summary, fmt: str) -> None:
             f"{s.skew.world_size} ranks of commit {s.skew.commit}",
             soft_wrap=True,
         )
+    if mixture is not None:
+        _print_mixture(mixture)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ VERSION = 2
 _FRAME = struct.Struct("<4sII")
 _FRAME_MAGIC = b"\xffLJ\xfe"
 _MAX_RECORD = 1 << 30  # bytes; a larger length field is damage, not a record
-_ARRAYS = ("positions", "token_start", "token_end", "length")
+_ARRAYS = ("positions", "token_start", "token_end", "length", "sources")
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
@@ -85,13 +85,20 @@ class Journal:
     def _record(self, chunk: EventChunk) -> bytes:
         ids = np.ascontiguousarray(chunk.sample_ids, dtype="<i8")
         extras: dict[str, Any] | None = None
-        if chunk.positions is not None or chunk.token_start is not None or chunk.values:
+        if (
+            chunk.positions is not None
+            or chunk.token_start is not None
+            or chunk.values
+            or chunk.sources is not None
+        ):
             extras = {
                 name: np.ascontiguousarray(arr, dtype="<i8").data
                 for name in _ARRAYS
                 if (arr := getattr(chunk, name)) is not None
             }
             extras["values"] = chunk.values
+            if chunk.sources is not None:
+                extras["source_names"] = list(chunk.source_names or ())
         record = [chunk.kind, chunk.epoch, chunk.batch, chunk.worker, chunk.position, ids.data]
         return _frame(cast(bytes, self._pack([*record, extras, chunk.digest])))
 
@@ -182,9 +189,22 @@ def _chunk(rec: Any) -> EventChunk:
             and all(v is None or isinstance(v, str) for v in values)
         ):
             raise _Bad("values is not a list of strings, one per row")
+        names = extras.get("source_names")
+        if "sources" in arrays:
+            if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+                raise _Bad("sources without a list of source names")
+            codes = arrays["sources"]
+            if codes.size and not (codes.min() >= 0 and codes.max() < len(names)):
+                raise _Bad("a source code names no source")
+            arrays["sources"] = codes.astype(np.int16)
+            arrays_names = tuple(names)
+        else:
+            arrays_names = None
+    else:
+        arrays_names = None
     return EventChunk(
         kind, _int(epoch, 0), _int(batch, 0), _int(worker, -1), _int(position), ids,
-        values=values, digest=digest, **arrays,
+        values=values, digest=digest, source_names=arrays_names, **arrays,
     )  # fmt: skip
 
 

@@ -146,14 +146,20 @@ class Pipeline(Protocol):
 
 
 def build(dataset: Any, settings: LoaderSettings) -> Pipeline:
-    """The pipeline of ``dataset``: a :class:`ledger.stream.Stream`'s, or a map-style one's.
+    """The pipeline of ``dataset``: a :class:`ledger.Mixture`'s, a
+    :class:`ledger.stream.Stream`'s, or a map-style dataset's.
 
     Raises:
         ValueError: if the arguments do not fit the dataset's kind, or an epoch would
             hold no batch.
     """
+    from ledger.mixture import Mixture
     from ledger.stream.spec import Stream
 
+    if isinstance(dataset, Mixture):
+        from ledger.mixture import MixturePipeline
+
+        return MixturePipeline(dataset, settings)
     if isinstance(dataset, Stream):
         from ledger.stream.pipeline import StreamPipeline
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -35,13 +35,24 @@ from ledger.commits import (
     newest_segments,
 )
 from ledger.errors import LogCorrupted, ResumeMismatch
-from ledger.order import BatchPlan, EpochOrder
+from ledger.order import BatchPlan
 from ledger.schema import BUFFER, SAMPLE, SKIP, EventChunk
 from ledger.store import Store
 
 if TYPE_CHECKING:
     from ledger.stream.pipeline import StreamPipeline
     from ledger.stream.shuffle import Piece
+
+
+class Order(Protocol):
+    """An epoch's order: :class:`ledger.order.EpochOrder`, or a mixture's."""
+
+    def sample_ids(self, positions: np.ndarray | int) -> np.ndarray: ...
+    def range(self, start: int, stop: int) -> np.ndarray: ...
+
+
+def _sample_ids(rows: pa.Table) -> np.ndarray:
+    return rows["sample_id"].to_numpy()
 
 
 def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
@@ -65,6 +76,8 @@ def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
 def _final_batch_rows(pf: pq.ParquetFile, ref: SegmentRef) -> pa.Table:
     columns = ["epoch", "batch", "position", "sample_id", "kind"]
     batch_column = pf.schema_arrow.get_field_index("batch")
+    if "source" in pf.schema_arrow.names:  # a mixture's events name their source
+        columns.append("source")
     groups: list[pa.Table] = []
     last = None
     for i in reversed(range(pf.num_row_groups)):
@@ -116,8 +129,9 @@ def replay(
     store: Store,
     head: Commit,
     plan: BatchPlan,
-    order_for: Callable[[int], EpochOrder],
+    order_for: Callable[[int], Order],
     ref: SegmentRef | bool | None = True,
+    ids_of: Callable[[pa.Table], np.ndarray] = _sample_ids,
 ) -> PipelineState:
     """Rebuild rank ``plan.rank``'s pipeline state at ``head`` from the log's events.
 
@@ -132,6 +146,8 @@ def replay(
         order_for: ``epoch -> EpochOrder`` of the resuming loader.
         ref: the rank's newest segment if the caller looked it up already (``None``:
             the rank has none); ``True``: look it up here.
+        ids_of: the ids the order gives, of logged events (default: their
+            ``sample_id``; a mixture's join ``source`` and ``sample_id``).
 
     Returns:
         The state of the rank after the last event of the lineage.
@@ -158,7 +174,7 @@ def replay(
     rows = _last_batch(store, ref)
     epoch = int(rows["epoch"][0].as_py())
     positions = rows["position"].to_numpy()
-    ids = rows["sample_id"].to_numpy()
+    ids = ids_of(rows)
 
     last = int(rows["batch"][0].as_py())
     if recorded.epoch == epoch:
@@ -199,7 +215,8 @@ def resume_elastic(
     store: Store,
     head: Commit,
     plan: BatchPlan,
-    order_for: Callable[[int], EpochOrder],
+    order_for: Callable[[int], Order],
+    ids_of: Callable[[pa.Table], np.ndarray] = _sample_ids,
 ) -> tuple[PipelineState, EventChunk | None]:
     """State of one rank of a new world size resuming ``head`` (map-style datasets).
 
@@ -217,6 +234,7 @@ def resume_elastic(
         head: the commit to resume from (written with another world size).
         plan: the new rank's full-epoch plan (its ``rank`` and ``world_size``).
         order_for: ``epoch -> EpochOrder``.
+        ids_of: as for :func:`replay`.
 
     Returns:
         The rank's state, and the ``skip`` events to log when ``drop_last`` leaves too
@@ -230,7 +248,9 @@ def resume_elastic(
     old = head.world_size
     refs = newest_segments(store, head, old)  # the head marker, read once
     folded = [
-        replay(store, head, replace(plan, rank=r, world_size=old, start=0), order_for, refs[r])
+        replay(
+            store, head, replace(plan, rank=r, world_size=old, start=0), order_for, refs[r], ids_of
+        )
         for r in range(old)
     ]
     epoch = min(s.epoch for s in folded)

@@ -58,6 +58,7 @@ EVENT_SCHEMA = pa.schema(
         pa.field("length", pa.int64()),
         pa.field("value", pa.string()),
         pa.field("digest", pa.binary(DIGEST_BYTES)),
+        pa.field("source", pa.dictionary(pa.int16(), pa.string())),
     ],
     metadata={b"ledger.schema_version": str(SCHEMA_VERSION).encode()},
 )
@@ -86,10 +87,20 @@ EVENT_SCHEMA = pa.schema(
 - ``digest`` fixed-size binary (32 bytes): the batch's content digest (``batch`` events
   only, else null). Logs written before this column existed lack it (Arrow readers fill
   nulls) and hold the digest as 64 hex characters in ``value`` instead.
+- ``source`` string (dictionary-encoded): the name of the mixture source
+  (:class:`ledger.Mixture`) the sample came from; ``sample_id`` is then the sample's
+  index in that source. Null outside mixtures. Logs written before this column existed
+  lack it (Arrow readers fill nulls).
 """
 
-LEGACY_COLUMNS = EVENT_SCHEMA.names[:-1]
+DIGEST_COLUMNS = EVENT_SCHEMA.names[:-1]
+"""Columns of segments written before the ``source`` column."""
+
+LEGACY_COLUMNS = EVENT_SCHEMA.names[:-2]
 """Columns of segments written before the ``digest`` column (schema version 1)."""
+
+EVENT_COLUMN_SETS = (EVENT_SCHEMA.names, DIGEST_COLUMNS, LEGACY_COLUMNS)
+"""Every column list a readable segment may have, newest first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +122,9 @@ class EventChunk:
             it becomes one ``batch`` event after the chunk's rows (so recording a batch
             and its digest is one chunk, one journal record). For a ``batch`` chunk, its
             own digest. ``None``: no digest.
+        sources: ``int16`` array ``(rows,)``: each row's mixture source, an index into
+            ``source_names``; ``None`` outside mixtures.
+        source_names: the mixture's source names, when ``sources`` is given.
     """
 
     kind: str
@@ -125,6 +139,8 @@ class EventChunk:
     length: np.ndarray | None = None
     values: list[str | None] | None = None
     digest: bytes | None = None
+    sources: np.ndarray | None = None
+    source_names: tuple[str, ...] | None = None
 
     @property
     def rows(self) -> int:
@@ -152,6 +168,9 @@ class EventChunk:
             self.token_end,
             self.length,
             self.values,
+            None,
+            self.sources,
+            self.source_names,
         )
         return bare, batch_event(self.epoch, self.batch, self.worker, last, self.digest)
 
@@ -293,6 +312,10 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
         index[where] = np.arange(len(with_digest))
         raw = pa.array([chunks[i].digest for i in with_digest], pa.binary(DIGEST_BYTES))
         digests = raw.take(pa.array(index, mask=index < 0))
+    if all(c.sources is None for c in chunks):
+        sources = pa.nulls(total, EVENT_SCHEMA.field("source").type)
+    else:
+        sources = _sources(chunks, first_row, total)
     kinds = pa.DictionaryArray.from_arrays(
         pa.array(spread(np.repeat(kind, n).astype(np.int8), _KIND_INDEX[BATCH])),
         pa.array(KINDS),
@@ -312,6 +335,25 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
             "length": optional("length"),
             "value": values,
             "digest": digests,
+            "source": sources,
         },
         schema=EVENT_SCHEMA,
+    )
+
+
+def _sources(chunks: list[EventChunk], first_row: np.ndarray, total: int) -> pa.Array:
+    """The ``source`` column: each chunk's codes (on its sample rows; its batch row has
+    none) mapped into one dictionary of names."""
+    names: list[str] = []
+    codes = np.full(total, -1, np.int16)
+    for c, start in zip(chunks, first_row.tolist(), strict=True):
+        if c.sources is not None and c.source_names is not None:
+            remap = np.empty(len(c.source_names), np.int16)
+            for i, name in enumerate(c.source_names):
+                if name not in names:
+                    names.append(name)
+                remap[i] = names.index(name)
+            codes[start : start + c.sources.size] = remap[c.sources]
+    return pa.DictionaryArray.from_arrays(
+        pa.array(codes, mask=codes < 0), pa.array(names, pa.string())
     )

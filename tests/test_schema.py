@@ -38,6 +38,9 @@ def reference_rows(chunks: list[EventChunk], attempt: int, rank: int) -> list[di
                         "length": None if c.length is None else int(c.length[i]),
                         "value": None if c.values is None else c.values[i],
                         "digest": c.digest if c.kind == BATCH else None,
+                        "source": None
+                        if c.sources is None or c.source_names is None
+                        else c.source_names[int(c.sources[i])],
                     }
                 )
     return rows
@@ -66,6 +69,12 @@ def chunk_lists(draw: st.DrawFn) -> list[EventChunk]:
         values = None
         if draw(st.booleans()):
             values = draw(st.lists(st.none() | st.text(max_size=4), min_size=n, max_size=n))
+        names = sources = None
+        if kind != BATCH and draw(st.booleans()):  # a mixture's chunk names its sources
+            names = tuple(draw(st.lists(st.sampled_from("abc"), min_size=1, max_size=3)))
+            sources = np.array(
+                draw(st.lists(st.integers(0, len(names) - 1), min_size=n, max_size=n)), np.int16
+            )
         chunks.append(
             EventChunk(
                 kind,
@@ -80,6 +89,8 @@ def chunk_lists(draw: st.DrawFn) -> list[EventChunk]:
                 length=_arrays(n, draw, span),
                 values=values,
                 digest=digest,
+                sources=sources,
+                source_names=names,
             )
         )
     return chunks

@@ -15,7 +15,8 @@ import duckdb
 import numpy as np
 
 from ledger import manifest
-from ledger.audit.names import CHECKS
+from ledger.audit.mixture import check_mixture
+from ledger.audit.names import ALL_CHECKS, CHECKS
 from ledger.audit.scan import Progress, ScanResult, scan
 from ledger.audit.summary import (
     Summary,
@@ -89,10 +90,13 @@ def check(
       and its epochs follow one another without a gap.
     - ``skew``: at every commit of the lineage, the ranks of an attempt are within
       ``max_skew`` samples of one another (default: the batch size).
+    - ``mixture``: each source of a :class:`ledger.Mixture` got its target share of the
+      lineage's samples, within 4 binomial standard deviations
+      (:mod:`ledger.audit.mixture`); passes for a run that is not a mixture.
 
     Args:
         root: the log root.
-        names: checks to run, from :data:`CHECKS`.
+        names: checks to run, from :data:`~ledger.audit.names.ALL_CHECKS`.
         head: head commit (default: the newest commit of the newest attempt).
         max_skew: the ``skew`` check's limit in samples.
         allow_uncommitted: batches per attempt that the ``abandoned`` check accepts in
@@ -106,12 +110,12 @@ def check(
         fails every check, the detail naming the file.
 
     Raises:
-        ValueError: if a name is not in :data:`CHECKS`.
+        ValueError: if a name is not in :data:`~ledger.audit.names.ALL_CHECKS`.
         CommitNotFound: if ``root`` holds no run, or ``head`` names no commit.
     """
-    unknown = [n for n in names if n not in CHECKS]
+    unknown = [n for n in names if n not in ALL_CHECKS]
     if unknown:
-        raise ValueError(f"unknown check {unknown[0]!r}; the checks are {', '.join(CHECKS)}")
+        raise ValueError(f"unknown check {unknown[0]!r}; the checks are {', '.join(ALL_CHECKS)}")
     store = Store(root)
     try:
         config = read_run(store)["config"]
@@ -132,6 +136,8 @@ def check(
                 results.append(_abandoned(store, summary, allow_uncommitted))
             elif name == "progress":
                 results.append(_progress(con))
+            elif name == "mixture":
+                results.append(CheckResult(name, *check_mixture(con, config)))
             else:
                 limit = int(config.get("batch_size", 1)) if max_skew is None else max_skew
                 skew = summary.skew

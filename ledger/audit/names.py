@@ -8,4 +8,10 @@ VIEWS = (
 """Names of the views :func:`ledger.audit.views.connect` creates."""
 
 CHECKS = ("coverage", "duplicates", "skips", "abandoned", "progress", "skew")
+"""Names of the checks every run has (``--check all`` runs them)."""
+
+MIXTURE_CHECKS = ("mixture",)
+"""Checks of a :class:`ledger.Mixture` run (``--check all`` adds them for one)."""
+
+ALL_CHECKS = (*CHECKS, *MIXTURE_CHECKS)
 """Names of the checks :func:`ledger.audit.checks.check` runs."""

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from ledger.commits import Commit, SegmentRef
 from ledger.compaction import Piece, list_compactions, pieces
 from ledger.errors import LogCorrupted
-from ledger.schema import EVENT_SCHEMA, LEGACY_COLUMNS, SAMPLE, SKIP, SPAN
+from ledger.schema import EVENT_COLUMN_SETS, EVENT_SCHEMA, SAMPLE, SKIP, SPAN
 from ledger.segments import open_segment
 from ledger.store import Store, sha256
 
@@ -498,7 +498,7 @@ def _segment_content(where: str, pf: pq.ParquetFile, c: Commit, ref: SegmentRef)
     if meta.num_rows != ref.rows:
         return f"{where} has {meta.num_rows} rows, the marker says {ref.rows}"
     names = pf.schema_arrow.names
-    if names not in (EVENT_SCHEMA.names, LEGACY_COLUMNS):
+    if names not in EVENT_COLUMN_SETS:
         return f"{where} has columns {names}, not the event schema"
     for col, want in (("attempt", c.attempt), ("rank", ref.rank)):
         i = names.index(col)

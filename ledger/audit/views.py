@@ -116,7 +116,7 @@ from ledger.store import Store
 # building a string per row: filtering on `kind` is ~3x faster than with plain strings.
 _DICT = pa.dictionary(pa.int32(), pa.string())
 EVENTS_SCHEMA = pa.schema(
-    [f.with_type(_DICT) if f.name == "kind" else f for f in EVENT_SCHEMA]
+    [f.with_type(_DICT) if f.name in ("kind", "source") else f for f in EVENT_SCHEMA]
     + [pa.field("commit_id", _DICT, nullable=False), pa.field("step", pa.int64(), nullable=False)]
 )
 """Arrow schema of the ``events`` and ``lineage`` views."""
@@ -644,5 +644,12 @@ _JOURNALS_SCHEMA = pa.schema(
 
 # DuckDB reads a dictionary column as VARCHAR anyway; a plain one keeps the view simple.
 _PLAIN_EVENT_SCHEMA = pa.schema(
-    [f if f.name != "kind" else pa.field("kind", pa.string(), False) for f in EVENT_SCHEMA]
+    [
+        pa.field("kind", pa.string(), False)
+        if f.name == "kind"
+        else pa.field("source", pa.string())
+        if f.name == "source"
+        else f
+        for f in EVENT_SCHEMA
+    ]
 )

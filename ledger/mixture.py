@@ -1,0 +1,373 @@
+"""Weighted mixtures of map-style datasets: ``ledger.Mixture({...}, weights={...})``.
+
+How a mixture's order is made (all of it a pure function of the seed, so nothing needs
+logging and any position can be computed directly, e.g. after a resume):
+
+1. **Positions.** A mixture epoch is ``epoch_size`` positions (default: the sources'
+   total length). Position ``p`` of epoch ``e`` is global position ``P = e *
+   epoch_size + p``; the loader's plan (ranks, batches, ``drop_last``, elastic resume)
+   works on positions exactly as for a map-style dataset.
+2. **Source of a position.** Global positions are cut into blocks of :data:`BLOCK`.
+   A block holds exactly ``n_s`` positions of source ``s``: the weights in force at the
+   block (:class:`Schedule`), times ``BLOCK``, rounded by the largest-remainder method
+   (so the realised target share is ``n_s / BLOCK``: weights have a resolution of
+   ``1 / BLOCK``). The slots are placed by a seeded permutation of the block
+   (:class:`ledger.order.EpochOrder` keyed by the seed and the block: a Feistel network,
+   counter-based), so the source of ``P`` is a function of ``(seed, P)`` alone, and
+   the number of positions of ``s`` before any ``P`` is known in closed form.
+3. **Sample of a position.** Each source keeps its own order and its own epochs: the
+   ``k``-th position given to source ``s`` over the whole run takes the sample at
+   position ``k mod N_s`` of the source's epoch ``k // N_s`` (its own seeded order of
+   ``[0, N_s)``). A small source with a large weight repeats: it runs through several
+   of its epochs per mixture epoch; every source epoch holds each of its samples once.
+
+The log names each event's source (the ``source`` column); ``sample_id`` is the index in
+that source. ``ledger audit --check mixture`` compares realised with target shares.
+
+Streams cannot be mixed yet: their order is not random access (see the TODO below).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ledger.commits import Commit, PipelineState
+from ledger.errors import UnsupportedArgument
+from ledger.mapstyle import MapPipeline
+from ledger.order import EpochOrder, derive_key
+from ledger.pipeline import LoaderSettings
+from ledger.replay import replay, resume_elastic
+from ledger.schema import EventChunk
+from ledger.store import Store
+
+BLOCK = 1000
+"""Global positions per block: each block realises the weights exactly, to ``1/BLOCK``."""
+
+MIX_ALGORITHM = "block-largest-remainder-feistel-v1"
+"""Name of the construction above, recorded in ``run.json``."""
+
+_MIX_KEY = 0x4D4958  # "MIX": keys the block permutations apart from the epoch orders
+
+
+class Schedule:
+    """Weights that change with the number of samples the mixture has served.
+
+    A piecewise-constant schedule: ``{0: {"web": 0.7, "code": 0.3}, 90_000: {"web":
+    0.2, "code": 0.8}}`` serves the first 90,000 global positions (samples, summed over
+    ranks) with the first weights and the rest with the second: e.g. an annealing phase
+    in the last 10% of 100,000 samples. Boundaries are in samples, not steps, so they
+    stay put when an elastic resume changes the world size; for a boundary at step
+    ``t`` pass ``t * batch_size * world_size``.
+
+    Args:
+        pieces: start (global position, a multiple of :data:`BLOCK`, the first 0) ->
+            weights by source name (non-negative, finite, not all zero; they are
+            normalised).
+
+    Raises:
+        ValueError: if the first start is not 0, a start is not a multiple of
+            :data:`BLOCK`, or a piece's weights are invalid.
+    """
+
+    def __init__(self, pieces: Mapping[int, Mapping[str, float]]) -> None:
+        starts = sorted(int(s) for s in pieces)
+        if not starts or starts[0] != 0:
+            raise ValueError(f"a schedule's first piece starts at sample 0, got {starts[:1]}")
+        for s in starts:
+            if s % BLOCK:
+                raise ValueError(
+                    f"schedule boundary {s} is not a multiple of {BLOCK} samples (a mixture "
+                    f"realises its weights a block of {BLOCK} positions at a time)"
+                )
+        self.starts: tuple[int, ...] = tuple(starts)
+        self.weights: tuple[dict[str, float], ...] = tuple(
+            _normalised(pieces[s], f"the schedule's piece at sample {s}") for s in starts
+        )
+
+    def to_json(self) -> list[list[Any]]:
+        """``[[start, {name: weight}], ...]`` (normalised weights)."""
+        return [[s, dict(w)] for s, w in zip(self.starts, self.weights, strict=True)]
+
+    def __repr__(self) -> str:
+        return f"Schedule({dict(zip(self.starts, self.weights, strict=True))!r})"
+
+
+def _normalised(weights: Mapping[str, float], where: str) -> dict[str, float]:
+    out = {}
+    for name, w in weights.items():
+        w = float(w)
+        if not math.isfinite(w) or w < 0:
+            raise ValueError(f"{where}: weight of {name!r} is {w}; weights are finite and >= 0")
+        out[str(name)] = w
+    total = sum(out.values())
+    if total <= 0:
+        raise ValueError(f"{where}: the weights sum to {total}; give some source a weight > 0")
+    return {name: w / total for name, w in out.items()}
+
+
+def _counts(weights: dict[str, float], names: Sequence[str]) -> np.ndarray:
+    """Positions per block of each source (largest-remainder rounding; ties: source order)."""
+    raw = np.array([weights.get(n, 0.0) * BLOCK for n in names])
+    counts = np.floor(raw).astype(np.int64)
+    left = BLOCK - int(counts.sum())
+    if left:
+        rank = sorted(range(len(names)), key=lambda i: (-(raw[i] - counts[i]), i))
+        counts[rank[:left]] += 1
+    return counts
+
+
+class Mixture:
+    """Map-style datasets mixed with weights, to hand to :class:`ledger.DataLoader`.
+
+    See the module docstring for the order. ``mixture[i]`` takes a *flat* id: source
+    ``s``'s sample ``j`` is ``offsets[s] + j`` (the loader fetches through it; the log
+    records ``source`` and ``j``).
+
+    Args:
+        sources: name -> map-style dataset (``__len__``, ``__getitem__``), in a fixed
+            order (it is part of the run's configuration).
+        weights: name -> weight (normalised), or a :class:`Schedule`.
+        epoch_size: positions per mixture epoch (default: the sources' total length).
+
+    Raises:
+        ValueError: if there is no source, a source is empty, a weight names no
+            source, or ``epoch_size < 1``.
+        UnsupportedArgument: if a source is a stream or a mixture.
+    """
+
+    def __init__(
+        self,
+        sources: Mapping[str, Any],
+        weights: Mapping[str, float] | Schedule,
+        *,
+        epoch_size: int | None = None,
+    ) -> None:
+        from ledger.stream.spec import Stream
+
+        if not sources:
+            raise ValueError("a Mixture needs at least one source")
+        self.names: tuple[str, ...] = tuple(str(n) for n in sources)
+        self.sources: tuple[Any, ...] = tuple(sources.values())
+        for name, ds in zip(self.names, self.sources, strict=True):
+            if isinstance(ds, Stream | Mixture):
+                # TODO(mixture-streams): a stream's order is per logical worker and not
+                # random access; mixing streams needs per-worker mixing state.
+                raise UnsupportedArgument(
+                    f"source {name!r} is a {type(ds).__name__}: a Mixture mixes map-style "
+                    "datasets (__len__ and __getitem__) only, for now"
+                )
+            if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+                raise UnsupportedArgument(
+                    f"source {name!r} ({type(ds).__name__}) is not a map-style dataset "
+                    "(__len__ and __getitem__)"
+                )
+        self.lengths = np.array([len(ds) for ds in self.sources], np.int64)
+        empty = [n for n, k in zip(self.names, self.lengths.tolist(), strict=True) if k == 0]
+        if empty:
+            raise ValueError(f"source {empty[0]!r} is empty")
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        self.schedule = weights if isinstance(weights, Schedule) else Schedule({0: weights})
+        for start, piece in zip(self.schedule.starts, self.schedule.weights, strict=True):
+            unknown = sorted(set(piece) - set(self.names))
+            if unknown:
+                raise ValueError(
+                    f"the weights at sample {start} name {unknown[0]!r}, which is not a "
+                    f"source ({', '.join(self.names)})"
+                )
+        self.epoch_size = int(epoch_size if epoch_size is not None else self.offsets[-1])
+        if self.epoch_size < 1:
+            raise ValueError(f"epoch_size must be >= 1, got {self.epoch_size}")
+        # Per piece: positions of each source per block; and the first block of each.
+        self.counts = np.stack([_counts(w, self.names) for w in self.schedule.weights])
+        self._first_block = np.array(self.schedule.starts, np.int64) // BLOCK
+        self._blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def __len__(self) -> int:
+        """Positions per mixture epoch."""
+        return self.epoch_size
+
+    def __getitem__(self, flat: int) -> Any:
+        """The sample of a flat id (``offsets[s] + j``: sample ``j`` of source ``s``)."""
+        s = int(np.searchsorted(self.offsets, flat, side="right")) - 1
+        if not 0 <= s < len(self.sources) or flat < 0:
+            raise IndexError(f"flat id {flat} is outside [0, {int(self.offsets[-1])})")
+        return self.sources[s][int(flat - self.offsets[s])]
+
+    def targets(self, piece: int = 0) -> dict[str, float]:
+        """Target share of each source in a piece of the schedule: ``n_s / BLOCK``."""
+        return {n: int(c) / BLOCK for n, c in zip(self.names, self.counts[piece], strict=True)}
+
+    def config(self) -> dict[str, Any]:
+        """What must not change across a resume (stored in ``run.json``)."""
+        return {
+            "algorithm": MIX_ALGORITHM,
+            "block": BLOCK,
+            "epoch_size": self.epoch_size,
+            "sources": [
+                {"name": n, "len": int(k)} for n, k in zip(self.names, self.lengths, strict=True)
+            ],
+            "schedule": self.schedule.to_json(),
+            "targets": [self.targets(i) for i in range(len(self.schedule.starts))],
+        }
+
+    def split(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Flat ids -> ``(source codes int16, sample ids in their source int64)``."""
+        codes = np.searchsorted(self.offsets, flat, side="right") - 1
+        return codes.astype(np.int16), flat - self.offsets[codes]
+
+    def join(self, names: Sequence[str | None], ids: np.ndarray) -> np.ndarray:
+        """Sources by name and ids in them -> flat ids (``-1`` for an unknown source)."""
+        index = {n: i for i, n in enumerate(self.names)}
+        codes = np.array([index.get(n, -1) if n is not None else -1 for n in names], np.int64)
+        flat = self.offsets[np.maximum(codes, 0)] + ids
+        return np.where(codes >= 0, flat, -1)
+
+    # ------------------------------------------------------------------ the order
+
+    def _block(self, seed: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(source of each offset int64 (BLOCK,), index among the block's positions of
+        that source int64 (BLOCK,))`` of one global block."""
+        key = (seed, block)
+        found = self._blocks.get(key)
+        if found is not None:
+            return found
+        piece = int(np.searchsorted(self._first_block, block, side="right")) - 1
+        bounds = np.concatenate([[0], np.cumsum(self.counts[piece])])
+        slots = EpochOrder(BLOCK, derive_key(seed, _MIX_KEY), block, True).range(0, BLOCK)
+        src = np.searchsorted(bounds, slots, side="right") - 1
+        k = np.empty(BLOCK, np.int64)
+        for s in range(len(self.names)):
+            where = np.flatnonzero(src == s)
+            k[where] = np.arange(where.size)
+        if len(self._blocks) >= 256:
+            self._blocks.clear()
+        self._blocks[key] = (src, k)
+        return src, k
+
+    def _before(self, blocks: np.ndarray) -> np.ndarray:
+        """``int64 (len(blocks), sources)``: positions of each source before each block."""
+        starts = self._first_block
+        ends = np.concatenate([starts[1:], [np.iinfo(np.int64).max]])
+        span = np.clip(np.minimum(blocks[:, None], ends[None, :]) - starts[None, :], 0, None)
+        return span @ self.counts  # (blocks, pieces) @ (pieces, sources)
+
+    def flat_ids(self, seed: int, shuffle: bool, positions: np.ndarray) -> np.ndarray:
+        """Flat ids at global positions (``int64``, any 1-D array)."""
+        positions = np.asarray(positions, np.int64)
+        blocks, offsets = np.divmod(positions, BLOCK)
+        unique, inverse = np.unique(blocks, return_inverse=True)
+        src = np.empty(positions.size, np.int64)
+        k = np.empty(positions.size, np.int64)
+        for i, b in enumerate(unique.tolist()):
+            rows = np.flatnonzero(inverse == i)
+            block_src, block_k = self._block(seed, b)
+            src[rows] = block_src[offsets[rows]]
+            k[rows] = block_k[offsets[rows]]
+        nth = self._before(unique)[inverse, src] + k  # index in the source's own stream
+        out = np.empty(positions.size, np.int64)
+        for s in np.unique(src).tolist():
+            rows = np.flatnonzero(src == s)
+            n = int(self.lengths[s])
+            epochs, pos = np.divmod(nth[rows], n)
+            source_seed = derive_key(seed, zlib.crc32(self.names[s].encode()))
+            for e in np.unique(epochs).tolist():
+                sel = epochs == e
+                order = EpochOrder(n, source_seed, e, shuffle)
+                out[rows[sel]] = self.offsets[s] + order.sample_ids(pos[sel])
+        return out
+
+    def sources_at(self, seed: int, positions: np.ndarray) -> np.ndarray:
+        """Source index (``int64``) of each global position: the ground truth of shares."""
+        positions = np.asarray(positions, np.int64)
+        blocks, offsets = np.divmod(positions, BLOCK)
+        out = np.empty(positions.size, np.int64)
+        for b in np.unique(blocks).tolist():
+            rows = np.flatnonzero(blocks == b)
+            out[rows] = self._block(seed, b)[0][offsets[rows]]
+        return out
+
+
+class MixtureOrder:
+    """One mixture epoch's order: position -> flat id (the loader's ``EpochOrder``)."""
+
+    def __init__(self, mixture: Mixture, seed: int, epoch: int, shuffle: bool) -> None:
+        self.mixture = mixture
+        self.seed = seed
+        self.epoch = epoch
+        self.shuffle = shuffle
+        self.n = mixture.epoch_size
+
+    def sample_ids(self, positions: np.ndarray | int) -> np.ndarray:
+        """Flat ids at positions of this epoch."""
+        p = np.asarray(positions, np.int64)
+        flat = self.mixture.flat_ids(self.seed, self.shuffle, p.reshape(-1) + self.epoch * self.n)
+        return flat.reshape(p.shape)
+
+    def range(self, start: int, stop: int) -> np.ndarray:
+        """Flat ids at positions ``[start, stop)``."""
+        return self.sample_ids(np.arange(start, stop, dtype=np.int64))
+
+
+class MixturePipeline(MapPipeline):
+    """A mixture's pipeline: a map-style pipeline over mixture positions whose events
+    name their source (:class:`ledger.pipeline.Pipeline`).
+
+    Args:
+        mixture: the mixture.
+        settings: the loader's settings.
+    """
+
+    def __init__(self, mixture: Mixture, settings: LoaderSettings) -> None:
+        self.mixture = mixture
+        self._mixture_orders: dict[int, MixtureOrder] = {}
+        super().__init__(mixture, settings)
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "mixture": self.mixture.config()}
+
+    def order(self, epoch: int) -> MixtureOrder:  # type: ignore[override]
+        order = self._mixture_orders.get(epoch)
+        if order is None:
+            order = MixtureOrder(self.mixture, self.settings.seed, epoch, self.settings.shuffle)
+            self._mixture_orders = {epoch: order}
+        return order
+
+    def record(self, state: PipelineState, tag: Any) -> tuple[PipelineState, list[EventChunk]]:
+        state, events = super().record(state, tag)
+        return state, [self._named(c) for c in events]
+
+    def _named(self, chunk: EventChunk) -> EventChunk:
+        """The chunk with per-source ids and its ``source`` codes."""
+        codes, ids = self.mixture.split(chunk.sample_ids)
+        return EventChunk(
+            chunk.kind,
+            chunk.epoch,
+            chunk.batch,
+            chunk.worker,
+            chunk.position,
+            ids,
+            digest=chunk.digest,
+            sources=codes,
+            source_names=self.mixture.names,
+        )
+
+    def logged_ids(self, rows: pa.Table) -> np.ndarray:
+        """Flat ids of logged events (their ``source`` and ``sample_id``)."""
+        names = (
+            rows["source"].cast(pa.string()).to_pylist() if "source" in rows.column_names else []
+        )
+        if len(names) != rows.num_rows:
+            names = [None] * rows.num_rows
+        return self.mixture.join(names, rows["sample_id"].to_numpy())
+
+    def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
+        if head.world_size != self.plan.world_size:
+            state, skip = resume_elastic(store, head, self.plan, self.order, self.logged_ids)
+            return state, [self._named(skip)] if skip is not None else []
+        return replay(store, head, self.plan, self.order, ids_of=self.logged_ids), []

@@ -1,0 +1,178 @@
+"""Weighted mixtures (ledger.Mixture): exact resume, each source's own order and epochs,
+realised shares against the ground truth, schedules, the source column and the audit."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import Augmented
+
+import ledger
+from ledger.audit import connect
+from ledger.audit.checks import check
+from ledger.audit.mixture import SourceShare
+from ledger.cli import CHECK_FAILED, main
+from ledger.errors import UnsupportedArgument
+from ledger.mixture import BLOCK, Mixture, Schedule
+from ledger.order import EpochOrder, derive_key
+from ledger.stream import ShardedSource, Stream
+from ledger.testing import assert_resume_exact, take
+
+
+class Based(Augmented):
+    """Augmented whose ids start at ``base``: sources tell apart in a batch."""
+
+    def __init__(self, n: int, base: int) -> None:
+        super().__init__(n)
+        self.base = base
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(i)
+        item["id"] = torch.tensor(self.base + i)
+        return item
+
+
+def mixture(weights=None, epoch_size=None) -> Mixture:
+    return Mixture(
+        {"code": Based(13, 0), "prose": Based(29, 1000)},
+        weights=weights or {"code": 0.6, "prose": 0.4},
+        epoch_size=epoch_size,
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_mixture_resumes_exactly_with_any_workers(root, workers) -> None:
+    def make() -> ledger.DataLoader:
+        return ledger.DataLoader(
+            mixture(), batch_size=4, shuffle=True, seed=3, num_workers=workers, log=root
+        )
+
+    # 42 positions per mixture epoch: 25 batches cross two of them (and both sources'
+    # epochs: 13 "code" samples run out after ~22 positions).
+    assert assert_resume_exact(make, batches=25, every=4) == 6
+
+
+def test_resume_after_a_finished_epoch_with_drop_last(root) -> None:
+    def make() -> ledger.DataLoader:
+        return ledger.DataLoader(
+            mixture(), batch_size=5, shuffle=True, seed=1, drop_last=True, log=root
+        )
+
+    assert assert_resume_exact(make, batches=20, every=7) == 2
+    con = connect(root)
+    skipped = con.execute("SELECT count(*) FROM lineage WHERE kind = 'skip'").fetchone()
+    assert skipped == (2,)  # 42 = 8 * 5 + 2 per epoch, two epochs finished
+
+
+def _source_seed(name: str, seed: int) -> int:
+    return derive_key(seed, zlib.crc32(name.encode()))
+
+
+def test_each_source_keeps_its_own_order_and_epochs(root) -> None:
+    loader = ledger.DataLoader(mixture(), batch_size=6, shuffle=True, seed=9, log=root)
+    ids = torch.cat([b["id"] for b in take(loader, 30)]).tolist()  # 180 positions
+    code = [i for i in ids if i < 1000]
+    prose = [i - 1000 for i in ids if i >= 1000]
+    for name, got, n in (("code", code, 13), ("prose", prose, 29)):
+        # The k-th sample of a source is position k % n of its own epoch k // n.
+        want = [
+            int(EpochOrder(n, _source_seed(name, 9), k // n, True).sample_ids(k % n))
+            for k in range(len(got))
+        ]
+        assert got == want
+        for e in range(len(got) // n):  # every finished source epoch: each sample once
+            assert sorted(got[e * n : (e + 1) * n]) == list(range(n))
+    assert len(code) // 13 >= 7  # the small source repeated
+
+
+def test_realised_shares_equal_the_ground_truth(root) -> None:
+    mix = mixture({"code": 0.7, "prose": 0.3}, epoch_size=1500)
+    loader = ledger.DataLoader(mix, batch_size=50, shuffle=True, seed=4, log=root)
+    ids = torch.cat([b["id"] for b in take(loader, 50)])  # 2500 positions, two blocks and a half
+    loader.state_dict()
+    truth = mix.sources_at(4, np.arange(2500))
+    assert ((ids.numpy() >= 1000).astype(int) == truth).all()
+    # Whole blocks hold exactly the weights; the half block is a seeded draw of its slots.
+    assert np.bincount(truth[: 2 * BLOCK], minlength=2).tolist() == [1400, 600]
+    con = connect(root)
+    logged = dict(
+        con.execute(
+            "SELECT CAST(source AS VARCHAR), count(*) FROM lineage WHERE kind = 'sample' GROUP BY 1"
+        ).fetchall()
+    )
+    assert logged == {"code": int((truth == 0).sum()), "prose": int((truth == 1).sum())}
+    # sample_id is the index in its source
+    top = con.execute(
+        "SELECT CAST(source AS VARCHAR), max(sample_id) FROM lineage WHERE kind = 'sample' "
+        "GROUP BY 1 ORDER BY 1"
+    ).fetchall()
+    assert top == [("code", 12), ("prose", 28)]
+    assert check(root, ["mixture"])[0].ok
+
+
+def test_a_schedule_changes_the_weights_at_its_boundary(root) -> None:
+    weights = Schedule({0: {"code": 0.9, "prose": 0.1}, 2 * BLOCK: {"code": 0.2, "prose": 0.8}})
+    mix = mixture(weights, epoch_size=1000)
+    truth = mix.sources_at(0, np.arange(4 * BLOCK))
+    assert np.bincount(truth[: 2 * BLOCK], minlength=2).tolist() == [1800, 200]
+    assert np.bincount(truth[2 * BLOCK :], minlength=2).tolist() == [400, 1600]
+    loader = ledger.DataLoader(mix, batch_size=100, shuffle=True, seed=0, log=root)
+    list(take(loader, 30))
+    token = loader.state_dict()
+    rest = [b["id"] for b in take(loader, 10)]
+    resumed = ledger.DataLoader(mix, batch_size=100, shuffle=True, seed=0, log=root)
+    resumed.load_state_dict(token)
+    assert all(torch.equal(a["id"], b) for a, b in zip(take(resumed, 10), rest, strict=True))
+    result = check(root, ["mixture"])[0]
+    assert result.ok, result.detail
+
+
+def test_the_mixture_check_fails_when_shares_are_off() -> None:
+    assert SourceShare("a", 700, 700.0, 4 * 14.5 + 1, 0.7, 0.7).ok
+    assert not SourceShare("a", 800, 700.0, 4 * 14.5 + 1, 0.8, 0.7).ok
+
+
+def test_audit_reports_shares_and_fails_a_log_that_is_not_the_mixture(root) -> None:
+    loader = ledger.DataLoader(
+        mixture({"code": 0.5, "prose": 0.5}, 1000), batch_size=50, seed=2, log=root
+    )
+    list(take(loader, 20))
+    loader.state_dict()
+    runner = CliRunner()
+    out = runner.invoke(main, ["audit", root])
+    assert out.exit_code == 0, out.output
+    assert "Shares over steps" in out.output and "50.00%" in out.output
+    out = runner.invoke(main, ["audit", root, "--check", "mixture"])
+    assert out.exit_code == 0, out.output
+    # The same events under a configuration that claims other weights: the check fails.
+    import json
+    import os
+
+    path = os.path.join(root, "run.json")
+    with open(path) as f:
+        run = json.load(f)
+    run["config"]["mixture"]["targets"] = [{"code": 0.8, "prose": 0.2}]
+    with open(path, "w") as f:
+        json.dump(run, f)
+    out = runner.invoke(main, ["audit", root, "--check", "mixture"])
+    assert out.exit_code == CHECK_FAILED, out.output
+    assert "off target" in out.output
+
+
+def test_a_mixture_refuses_what_it_cannot_mix(tmp_path) -> None:
+    (tmp_path / "a.jsonl").write_text('{"x": 1}\n')
+    stream = Stream(ShardedSource([str(tmp_path / "a.jsonl")]))
+    with pytest.raises(UnsupportedArgument, match="map-style datasets"):
+        Mixture({"a": Based(3, 0), "s": stream}, weights={"a": 1, "s": 1})
+    with pytest.raises(ValueError, match="'c', which is not a source"):
+        Mixture({"a": Based(3, 0)}, weights={"a": 1, "c": 1})
+    with pytest.raises(ValueError, match="not a multiple of 1000"):
+        Schedule({0: {"a": 1}, 1500: {"a": 1}})
+    with pytest.raises(ValueError, match="weights sum to 0"):
+        Mixture({"a": Based(3, 0)}, weights={"a": 0})
+    with pytest.raises(ValueError, match="is empty"):
+        Mixture({"a": Based(0, 0)}, weights={"a": 1})
