@@ -27,6 +27,19 @@ class Augmented:
         }
 
 
+class Based(Augmented):
+    """Augmented whose ids start at ``base``: the sources of a mixture tell apart."""
+
+    def __init__(self, n: int, base: int) -> None:
+        super().__init__(n)
+        self.base = base
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(i)
+        item["id"] = torch.tensor(self.base + i)
+        return item
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (the OS picks it), for a torchrun rendezvous."""
     with socket.socket() as s:

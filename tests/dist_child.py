@@ -5,6 +5,7 @@ Usage: torchrun --nproc_per_node W dist_child.py ROOT OUTDIR TOTAL [--resume]
        [--resume-from FILE]  (every rank loads that token: elastic resume)
        [--drop-last]
        [--shards DIR]  (a packed, shuffled stream over DIR/* instead of a dataset)
+       [--mixture]  (a ledger.Mixture of two datasets; ids of "b" start at 1000)
 Each rank appends "<step> <ids> <digest>" per batch to OUTDIR/stream-<rank>.txt and keeps
 its token in OUTDIR/ckpt-<rank>.json (written after every commit, every 3 steps, then a
 barrier).
@@ -21,7 +22,7 @@ import sys
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import Augmented, packed_stream
+from conftest import Augmented, Based, packed_stream
 
 import ledger
 from ledger.store import Store
@@ -53,6 +54,19 @@ def main() -> None:
             num_workers=2,
         )
         key = "tokens"
+    elif "--mixture" in sys.argv:
+        loader = ledger.DataLoader(
+            ledger.Mixture(
+                {"a": Based(13, 0), "b": Based(40, 1000)},
+                weights={"a": 0.6, "b": 0.4},
+                epoch_size=61,
+            ),
+            batch_size=4,
+            shuffle=True,
+            seed=5,
+            log=root,
+            num_workers=1,
+        )
     else:
         loader = ledger.DataLoader(
             Augmented(61),

@@ -227,3 +227,40 @@ def test_distributed_checkpoint_restores_every_rank(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     verdicts = {p.name: p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))}
     assert verdicts == {"rank0.txt": "ok", "rank1.txt": "ok"}
+
+
+def test_elastic_resume_of_a_mixture_two_to_one_rank(tmp_path):
+    """A mixture resumed with another world size continues the prefix of its positions:
+    the samples served are exactly the mixture's order, position by position."""
+    import numpy as np
+    from conftest import Based
+
+    import ledger
+
+    log = str(tmp_path / "log")
+    for i, (nproc, total) in enumerate([(2, 6), (1, 21)]):  # 6 steps of 2 x 4, then 15 of 4
+        out = tmp_path / f"shape{i}"
+        out.mkdir()
+        resume = ["--resume-from", str(tmp_path / "shape0" / "ckpt-0.json")] if i else []
+        assert torchrun(nproc, log, str(out), str(total), "--mixture", *resume) == 0
+    seen = []
+    for i, nproc in enumerate([2, 1]):
+        for rank_stream in streams(tmp_path / f"shape{i}", nproc):
+            seen.extend(int(x) for line in rank_stream for x in line.split("]")[0][1:].split(","))
+    mix = ledger.Mixture(
+        {"a": Based(13, 0), "b": Based(40, 1000)}, weights={"a": 0.6, "b": 0.4}, epoch_size=61
+    )
+    # 48 positions on two ranks, then 15 steps of 4 on one (epoch 0's last is short).
+    from ledger.audit import connect
+
+    con = connect(log)
+    rows = con.execute(
+        "SELECT epoch, position, CAST(source AS VARCHAR), sample_id FROM lineage "
+        "WHERE kind = 'sample' ORDER BY epoch, position"
+    ).fetchall()
+    positions = np.array([e * 61 + p for e, p, _, _ in rows])
+    assert positions.tolist() == list(range(len(rows)))  # each position once, a prefix
+    logged = mix.join([s for _, _, s, _ in rows], np.array([i for _, _, _, i in rows]))
+    assert np.array_equal(logged, mix.flat_ids(5, True, positions))  # the mixture's order
+    served = [(1000 if s == "b" else 0) + i for _, _, s, i in rows]  # Based's ids
+    assert sorted(seen) == sorted(served)

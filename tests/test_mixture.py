@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import Augmented
+from conftest import Based
 
 import ledger
 from ledger.audit import connect
@@ -21,19 +21,6 @@ from ledger.mixture import BLOCK, Mixture, Schedule
 from ledger.order import EpochOrder, derive_key
 from ledger.stream import ShardedSource, Stream
 from ledger.testing import assert_resume_exact, take
-
-
-class Based(Augmented):
-    """Augmented whose ids start at ``base``: sources tell apart in a batch."""
-
-    def __init__(self, n: int, base: int) -> None:
-        super().__init__(n)
-        self.base = base
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        item = super().__getitem__(i)
-        item["id"] = torch.tensor(self.base + i)
-        return item
 
 
 def mixture(weights=None, epoch_size=None) -> Mixture:
@@ -176,3 +163,29 @@ def test_a_mixture_refuses_what_it_cannot_mix(tmp_path) -> None:
         Mixture({"a": Based(3, 0)}, weights={"a": 0})
     with pytest.raises(ValueError, match="is empty"):
         Mixture({"a": Based(0, 0)}, weights={"a": 1})
+
+
+def test_verify_data_recreates_a_mixture_batch_through_its_sources(root) -> None:
+    from ledger.errors import ConfigMismatch
+
+    def make(base: int) -> ledger.DataLoader:
+        mix = Mixture(
+            {"code": Based(13, 0), "prose": Based(29, base)}, weights={"code": 1, "prose": 1}
+        )
+        return ledger.DataLoader(mix, batch_size=4, seed=3, log=root, verify_data=True)
+
+    loader = make(1000)
+    list(take(loader, 5))
+    token = loader.state_dict()
+    make(1000).load_state_dict(token)  # batch 4 re-created from (source, id): same digest
+    with pytest.raises(ConfigMismatch, match="dataset content"):
+        make(2000).load_state_dict(token)  # "prose" changed under the same length
+
+
+def test_coverage_and_duplicates_of_a_mixture_count_its_positions(root) -> None:
+    loader = ledger.DataLoader(mixture(), batch_size=4, shuffle=True, seed=5, log=root)
+    list(take(loader, 24))  # 42 positions per epoch: two finished epochs
+    loader.state_dict()
+    results = {r.check: r for r in check(root, ["coverage", "duplicates", "mixture"])}
+    assert all(r.ok for r in results.values()), results
+    assert results["coverage"].detail.startswith("2 finished epochs cover all 42 samples")

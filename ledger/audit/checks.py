@@ -365,6 +365,7 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
             packed=bool(config.get("packer")),
             progress=progress,
             problems=problems,
+            key="position" if "mixture" in config else "sample_id",  # see summary.counts
         )
         # In the words and order of the markers (by attempt, then step).
         jobs = [(c, k) for c in counted + other for k in range(len(c.segments))]

@@ -397,7 +397,7 @@ def materialize(
 ) -> Materialized:
     """Re-create a logged batch through the dataset, with the run's seeds.
 
-    Map-style datasets: the logged ids fetched as the loader fetched them
+    Map-style datasets and mixtures: the logged ids fetched as the loader fetched them
     (:func:`ledger.fetch.fetch_batch` with the run's RNG mode: seeded once per batch from
     ``(seed, epoch, first position)``, or per sample from ``(seed, epoch, i)``), then
     ``collate_fn``. Streams (:class:`ledger.stream.Stream`): each sample re-read
@@ -423,6 +423,7 @@ def materialize(
 
     from ledger.digest import batch_digest
     from ledger.fetch import fetch_batch, rng_of
+    from ledger.mixture import Mixture
     from ledger.stream.sample import rebuild_batch
     from ledger.stream.spec import Stream
 
@@ -440,9 +441,13 @@ def materialize(
                 f"{config['dataset_len']}: pass the dataset the run trained on"
             )
         position = int(record.events["position"][0].as_py())
+        ids = record.sample_ids
+        if isinstance(dataset, Mixture):  # the log holds ids in their sources
+            names = record.events["source"].cast(pa.string()).to_pylist()
+            ids = dataset.join(names, ids)
         samples = fetch_batch(
             dataset,
-            record.sample_ids,
+            ids,
             seed=seed,
             epoch=record.epoch,
             position=position,

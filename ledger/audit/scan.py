@@ -180,6 +180,7 @@ def scan(
     progress: Progress | None = None,
     threads: int | None = None,
     problems: dict[int, str] | None = None,
+    key: str = "sample_id",
 ) -> ScanResult:
     """Count the segments of ``counted`` per epoch, and every segment's events.
 
@@ -202,6 +203,8 @@ def scan(
             from its marker is not an error: the problem is recorded here, by the
             segment's index in the scan (counted commits' segments first), in the words
             of :func:`check_segment`, and the segment is left out of the counts.
+        key: the column counted once per epoch: ``sample_id``, or for a mixture
+            (whose sources repeat by design) ``position``, in ``[0, dataset_len)`` too.
 
     Returns:
         Per epoch of ``counted``, and per segment of both (in the order given).
@@ -216,7 +219,7 @@ def scan(
     ]
     if len({s.path for _, _, s in jobs}) != len(jobs):
         raise LogCorrupted("two markers name the same segment: the commit chain is damaged")
-    counter = _Counter(store, jobs, dataset_len, keep_going=problems is not None)
+    counter = _Counter(store, jobs, dataset_len, keep_going=problems is not None, key=key)
     columns = ["epoch", "kind", "sample_id", "position"] + (["token_start"] if packed else [])
     buffered: list[_Unit] = []
     rows = done = 0
@@ -263,8 +266,10 @@ class _Counter:
         jobs: list[tuple[Commit, bool, SegmentRef]],
         dataset_len: int,
         keep_going: bool,
+        key: str = "sample_id",
     ) -> None:
         self.store = store
+        self.key = key
         self.jobs = jobs
         self.dataset_len = dataset_len
         self.events = np.zeros(len(jobs), np.int64)
@@ -293,7 +298,7 @@ class _Counter:
             self.samples += np.bincount(job[consumed], minlength=len(self.jobs))
             return
         epoch = batch.column("epoch").to_numpy()
-        ids = batch.column("sample_id").to_numpy()
+        ids = batch.column(self.key).to_numpy()
         either = consumed | skipped
         outside = either & ((ids < 0) | (ids >= self.dataset_len))
         if self.error:

@@ -232,6 +232,8 @@ def counts(
         dataset_len=int(config.get("dataset_len", 0)),
         packed=bool(config.get("packer")),
         progress=progress,
+        # A mixture's sources repeat by design: each position of its epoch is once.
+        key="position" if "mixture" in config else "sample_id",
     )
     table = pa.table(
         {name: [getattr(s, name) for s in result.segments] for name in _SEGMENT_COUNTS.names},
