@@ -886,7 +886,7 @@ def _mixture_summary(root: str, head: str | None) -> MixtureSummary | None:
         return None
     con = connect(root, head)
     try:
-        return summarize_mixture(con, config)
+        return summarize_mixture(Store(root), con, config)
     finally:
         con.close()
 
@@ -903,6 +903,11 @@ def _print_mixture(m: MixtureSummary) -> None:
         )  # fmt: skip
     console.print(sources)
     names = [x.source for x in m.sources]
+    if len(m.phases) > 1:
+        phases = Table("phase", *names, title="Shares per phase (target)")
+        for number, per in m.phases.items():
+            phases.add_row(str(number), *(f"{x.share:.1%} ({x.target:.1%})" for x in per))
+        console.print(phases)
     steps = Table("steps", *names, title="Shares over steps")
     for first, last, shares in m.steps:
         steps.add_row(f"{first}-{last}", *(f"{shares[n]:.1%}" for n in names))

@@ -199,12 +199,16 @@ def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def open_run(store: Store, config: dict[str, Any]) -> str:
+def open_run(
+    store: Store, config: dict[str, Any], phase_config: dict[str, Any] | None = None
+) -> str:
     """Create ``run.json`` for a new run, or check ``config`` against an existing one.
 
     Args:
         store: the log root.
         config: JSON-serialisable configuration (dataset length, seed, batch size, ...).
+        phase_config: the configuration of the phase being resumed (an attempt record's
+            ``phase``), checked instead of ``run.json``'s; ``None``: the run's first phase.
 
     Returns:
         The run id (hex string).
@@ -226,11 +230,39 @@ def open_run(store: Store, config: dict[str, Any]) -> str:
         except CommitConflict:
             pass  # another process created it first: check against theirs
     existing = read_run(store)
-    logged: dict[str, Any] = upgrade_config(existing["config"])
+    logged: dict[str, Any] = upgrade_config(
+        existing["config"] if phase_config is None else phase_config
+    )
     for key in sorted((set(logged) | set(config)) - set(ELASTIC_KEYS)):
         if logged.get(key) != config.get(key):
-            raise ConfigMismatch(key, logged.get(key), config.get(key), _HINTS.get(key, ""))
+            hint = _HINTS.get(key, "")
+            if key in PHASE_KEYS:
+                hint = (hint + " " if hint else "") + (
+                    "To change it deliberately, resume with "
+                    "load_state_dict(token, new_phase=True): the change is recorded as a new "
+                    "phase of the run."
+                )
+            raise ConfigMismatch(key, logged.get(key), config.get(key), hint)
     return str(existing["run_id"])
+
+
+PHASE_KEYS = ("mixture",)
+"""Configuration keys a new phase may change (``load_state_dict(token, new_phase=True)``)."""
+
+
+def phase_of(store: Store, commit: Commit | None) -> dict[str, Any] | None:
+    """The phase ``commit`` belongs to: its attempt record's ``phase`` (``None``: the
+    run's first phase, configured by ``run.json``). One small read, whatever the history.
+
+    Raises:
+        LogCorrupted: if the attempt record is damaged.
+    """
+    if commit is None:
+        return None
+    try:
+        return read_attempt(store, f"{commit.attempt:04d}.json")["phase"]
+    except FileNotFoundError:
+        return None  # attempt records are advisory for older logs
 
 
 def read_run(store: Store) -> dict[str, Any]:
@@ -311,16 +343,39 @@ def read_attempt(store: Store, name: str) -> dict[str, Any]:
         "created_at": require(a, "created_at", str, where, default=None, nullable=True),
         "host": require(a, "host", str, where, default=None, nullable=True),
         "pid": require(a, "pid", int, where, default=None, nullable=True),
+        "phase": _phase(a.get("phase"), where),
     }
 
 
-def claim_attempt(store: Store, parent: str | None, world_size: int) -> int:
+def _phase(phase: Any, where: str) -> dict[str, Any] | None:
+    """An attempt record's ``phase`` (see :func:`claim_attempt`), checked."""
+    if phase is None:
+        return None
+    if not isinstance(phase, dict):
+        raise LogCorrupted(f"{where}: field 'phase' is not an object")
+    require(phase, "number", int, where, minimum=1)
+    require(phase, "start", int, where, minimum=0)
+    if not isinstance(phase.get("config"), dict):
+        raise LogCorrupted(f"{where}: the phase has no 'config' object")
+    base = phase.get("base")
+    if not (isinstance(base, list) and all(isinstance(b, int) for b in base)):
+        raise LogCorrupted(f"{where}: the phase's 'base' is not a list of integers")
+    return phase
+
+
+def claim_attempt(
+    store: Store, parent: str | None, world_size: int, phase: dict[str, Any] | None = None
+) -> int:
     """Claim the next attempt number by creating ``attempts/<A>.json`` exclusively.
 
     Args:
         store: the log root.
         parent: commit the attempt resumes from (``None``: from the start).
         world_size: the attempt's world size.
+        phase: the phase the attempt serves, when it is not the run's first: ``number``
+            (>= 1), ``config`` (the loader's configuration in the phase), ``start`` (the
+            global position where it began), ``base`` (what each mixture source had
+            been given before it) and ``previous`` (the same of the phase before).
 
     Returns:
         The attempt number: one more than the largest existing one (0 for a new run).
@@ -328,7 +383,7 @@ def claim_attempt(store: Store, parent: str | None, world_size: int) -> int:
     existing = [int(n[: -len(".json")]) for n in store.ls("attempts") if ATTEMPT_NAME.match(n)]
     attempt = max(existing, default=-1) + 1
     while True:
-        record = {
+        record: dict[str, Any] = {
             "version": SCHEMA_VERSION,
             "attempt": attempt,
             "parent": parent,
@@ -337,6 +392,8 @@ def claim_attempt(store: Store, parent: str | None, world_size: int) -> int:
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
+        if phase is not None:
+            record["phase"] = phase
         try:
             store.create_exclusive(f"attempts/{attempt:04d}.json", _dump(record))
             return attempt

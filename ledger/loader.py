@@ -24,7 +24,7 @@ import torch.utils.data as tud
 
 from ledger import pipeline as pipelines
 from ledger import preemption, torch_args
-from ledger.commits import Commit, PipelineState, read_run
+from ledger.commits import Commit, PipelineState, phase_of, read_run
 from ledger.errors import CommitNotFound, ConfigMismatch, LedgerError, TokenError, WrongRoot
 from ledger.fetch import RngMode, check_rng
 from ledger.log import Ledger
@@ -454,7 +454,7 @@ class DataLoader:
             "step": head.step if head else 0,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, new_phase: bool = False) -> None:
         """Resume from a token returned by :meth:`state_dict`, by replaying the log.
 
         The next batch is exactly the one the uninterrupted run would have produced
@@ -463,6 +463,13 @@ class DataLoader:
 
         Args:
             state_dict: the token.
+            new_phase: record a deliberate change of configuration as a new *phase* of
+                the run (in the new attempt's record, ``attempts/<A>.json``) instead of
+                refusing it. Today a phase can change a :class:`ledger.Mixture`'s weights
+                or schedule: every source continues its own stream where it stood, and
+                positions from where the ranks reached are mixed with the new weights
+                (whose schedule counts from the phase's start). Later resumes of the
+                phase need the same configuration; audits read each phase's targets.
 
         Raises:
             TokenError: if the token is malformed or of another version.
@@ -470,7 +477,8 @@ class DataLoader:
                 written to another root resumes when this root holds the same run and
                 commit (a log copied, mounted elsewhere or moved to another bucket).
             ConfigMismatch: if dataset length, seed, shuffle, batch size, drop_last or
-                world size differ from the run's (names both values).
+                a mixture's weights differ from the phase's (names both values), or with
+                ``new_phase`` if the change is not one a phase can make.
             CommitNotFound: if the token's commit is not in the log.
             LogCorrupted, ResumeMismatch: if replay finds the log inconsistent, or the
                 loader would not continue it exactly.
@@ -479,9 +487,15 @@ class DataLoader:
         token = _check_token(state_dict)
         moved = _normal_root(token["root"]) != self._ledger.root
         self._check_run(token, moved)
-        if self._ledger.store.exists("run.json"):
+        store = self._ledger.store
+        phase = None
+        if store.exists("run.json"):
             # Before the generic config check: e.g. name the first shard that changed.
-            self._pipeline.check_logged(read_run(self._ledger.store)["config"])
+            logged = read_run(store)["config"]
+            self._pipeline.check_logged(logged)
+            phase = self._phase(token, moved, logged, new_phase)
+        self._ledger.enter_phase(phase)
+        self._pipeline.enter_phase(phase)
         try:
             run_id = self._ledger.open(self.config)
         except ConfigMismatch as e:
@@ -531,6 +545,31 @@ class DataLoader:
         self._iter_epoch = None
         if self._ledger.attempt is not None:
             self._start_attempt()
+
+    def _phase(
+        self, token: dict[str, Any], moved: bool, logged: dict[str, Any], new_phase: bool
+    ) -> dict[str, Any] | None:
+        """The phase the resumed attempt serves: the token commit's, or with ``new_phase``
+        a new one after it (:meth:`ledger.pipeline.Pipeline.new_phase`)."""
+        if token["commit"] == "":
+            if new_phase:
+                raise ValueError("new_phase=True needs a token of a commit (the run has none)")
+            return None
+        try:
+            head = self._read_token_commit(token, moved)
+        except LedgerError:
+            if new_phase:
+                raise
+            return None  # the resume below raises the error in its turn
+        current = phase_of(self._ledger.store, head)
+        if not new_phase:
+            return current
+        phase = self._pipeline.new_phase(self._ledger.store, head, current, logged)
+        logger.info(
+            "rank %d starts phase %d of %s after commit %s",
+            self._rank, phase["number"], self._ledger.root, head.id,
+        )  # fmt: skip
+        return phase
 
     def _check_run(self, token: dict[str, Any], moved: bool) -> None:
         """Refuse a token of another run, before anything is written to this root.

@@ -120,6 +120,7 @@ class Ledger:
         self._journal_dir = journal_dir
         self.run_id: str | None = None
         self._config: dict[str, Any] = {}
+        self.phase: dict[str, Any] | None = None  # the phase of the attempt (None: the first)
         self.attempt: int | None = None
         self.head: Commit | None = None  # the latest commit of this lineage
         self._pending: list[EventChunk] = []
@@ -139,9 +140,17 @@ class Ledger:
             ConfigMismatch: if the root holds a run with another configuration.
         """
         if self.run_id is None or config != self._config:
-            self.run_id = open_run(self.store, config)
+            phase_config = self.phase["config"] if self.phase is not None else None
+            self.run_id = open_run(self.store, config, phase_config)
             self._config = dict(config)
         return self.run_id
+
+    def enter_phase(self, phase: dict[str, Any] | None) -> None:
+        """Serve ``phase`` (an attempt record's ``phase``; ``None``: the run's first): the
+        next :meth:`open` checks the configuration against the phase's, and the next
+        :meth:`start` records the phase in its attempt record."""
+        self.phase = phase
+        self._config = {}
 
     def start(self, parent: Commit | None) -> int:
         """Start a new attempt resuming from ``parent`` (``None``: from the beginning).
@@ -154,7 +163,9 @@ class Ledger:
         if self.run_id is None:
             raise LedgerError("Ledger.open(config) must be called before Ledger.start()")
         if self.rank == 0:
-            attempt = claim_attempt(self.store, parent.id if parent else None, self.world_size)
+            attempt = claim_attempt(
+                self.store, parent.id if parent else None, self.world_size, self.phase
+            )
         self.attempt = int(self.group.broadcast(attempt if self.rank == 0 else None))
         self.head = parent
         self._pending = []

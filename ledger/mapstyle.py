@@ -33,7 +33,7 @@ from ledger.digest import digest_bytes
 from ledger.errors import LedgerError
 from ledger.fetch import RngMode, fetch_batch
 from ledger.order import BatchPlan, EpochOrder
-from ledger.pipeline import LoaderSettings
+from ledger.pipeline import LoaderSettings, refuse_phase
 from ledger.replay import advance, replay, resume_elastic
 from ledger.schema import ORDER_ALGORITHM, SAMPLE, SKIP, EventChunk
 from ledger.store import Store
@@ -259,6 +259,17 @@ class MapPipeline:
 
     def snapshot(self, state: PipelineState) -> list[EventChunk]:
         return []  # the order is a pure function of (seed, epoch): no buffer
+
+    def enter_phase(self, phase: dict[str, Any] | None) -> None:
+        return None  # a phase changes nothing a map-style dataset serves (see new_phase)
+
+    def new_phase(
+        self, store: Store, head: Commit, current: dict[str, Any] | None, logged: dict[str, Any]
+    ) -> dict[str, Any]:
+        base = current["config"] if current is not None else logged
+        refuse_phase(self.config(), base, ())
+        number = current["number"] + 1 if current is not None else 1
+        return {"number": number, "config": self.config(), "start": 0, "base": []}
 
     def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
         if head.world_size != self.plan.world_size:

@@ -37,11 +37,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ledger.commits import Commit, PipelineState
-from ledger.errors import UnsupportedArgument
+from ledger.commits import PHASE_KEYS, Commit, PipelineState
+from ledger.errors import ConfigMismatch, UnsupportedArgument
 from ledger.mapstyle import MapPipeline
 from ledger.order import EpochOrder, derive_key
-from ledger.pipeline import LoaderSettings
+from ledger.pipeline import LoaderSettings, refuse_phase
 from ledger.replay import replay, resume_elastic
 from ledger.schema import EventChunk
 from ledger.store import Store
@@ -185,8 +185,8 @@ class Mixture:
             raise ValueError(f"epoch_size must be >= 1, got {self.epoch_size}")
         # Per piece: positions of each source per block; and the first block of each.
         self.counts = np.stack([_counts(w, self.names) for w in self.schedule.weights])
-        self._first_block = np.array(self.schedule.starts, np.int64) // BLOCK
-        self._blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        zero = np.zeros(len(self.names), np.int64)
+        self.phases: list[Phase] = [Phase(0, zero, self.counts, self.schedule.starts)]
 
     def __len__(self) -> int:
         """Positions per mixture epoch."""
@@ -230,46 +230,26 @@ class Mixture:
 
     # ------------------------------------------------------------------ the order
 
-    def _block(self, seed: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(source of each offset int64 (BLOCK,), index among the block's positions of
-        that source int64 (BLOCK,))`` of one global block."""
-        key = (seed, block)
-        found = self._blocks.get(key)
-        if found is not None:
-            return found
-        piece = int(np.searchsorted(self._first_block, block, side="right")) - 1
-        bounds = np.concatenate([[0], np.cumsum(self.counts[piece])])
-        slots = EpochOrder(BLOCK, derive_key(seed, _MIX_KEY), block, True).range(0, BLOCK)
-        src = np.searchsorted(bounds, slots, side="right") - 1
-        k = np.empty(BLOCK, np.int64)
-        for s in range(len(self.names)):
-            where = np.flatnonzero(src == s)
-            k[where] = np.arange(where.size)
-        if len(self._blocks) >= 256:
-            self._blocks.clear()
-        self._blocks[key] = (src, k)
-        return src, k
+    def enter_phase(self, phases: Sequence[Phase]) -> None:
+        """Serve positions by these phases (each from its ``start`` on) instead of phase 0
+        of this mixture's own schedule alone (see :class:`Phase`)."""
+        self.phases = sorted(phases, key=lambda ph: ph.start)
 
-    def _before(self, blocks: np.ndarray) -> np.ndarray:
-        """``int64 (len(blocks), sources)``: positions of each source before each block."""
-        starts = self._first_block
-        ends = np.concatenate([starts[1:], [np.iinfo(np.int64).max]])
-        span = np.clip(np.minimum(blocks[:, None], ends[None, :]) - starts[None, :], 0, None)
-        return span @ self.counts  # (blocks, pieces) @ (pieces, sources)
+    def _phase_rows(self, positions: np.ndarray) -> list[tuple[Phase, np.ndarray]]:
+        if len(self.phases) == 1:
+            return [(self.phases[0], np.arange(positions.size))]
+        starts = np.array([ph.start for ph in self.phases], np.int64)
+        which = np.searchsorted(starts, positions, side="right") - 1
+        return [(ph, np.flatnonzero(which == i)) for i, ph in enumerate(self.phases)]
 
     def flat_ids(self, seed: int, shuffle: bool, positions: np.ndarray) -> np.ndarray:
         """Flat ids at global positions (``int64``, any 1-D array)."""
         positions = np.asarray(positions, np.int64)
-        blocks, offsets = np.divmod(positions, BLOCK)
-        unique, inverse = np.unique(blocks, return_inverse=True)
         src = np.empty(positions.size, np.int64)
-        k = np.empty(positions.size, np.int64)
-        for i, b in enumerate(unique.tolist()):
-            rows = np.flatnonzero(inverse == i)
-            block_src, block_k = self._block(seed, b)
-            src[rows] = block_src[offsets[rows]]
-            k[rows] = block_k[offsets[rows]]
-        nth = self._before(unique)[inverse, src] + k  # index in the source's own stream
+        nth = np.empty(positions.size, np.int64)  # index in the source's own stream
+        for phase, rows in self._phase_rows(positions):
+            if rows.size:
+                src[rows], nth[rows] = phase.locate(seed, positions[rows])
         out = np.empty(positions.size, np.int64)
         for s in np.unique(src).tolist():
             rows = np.flatnonzero(src == s)
@@ -285,12 +265,98 @@ class Mixture:
     def sources_at(self, seed: int, positions: np.ndarray) -> np.ndarray:
         """Source index (``int64``) of each global position: the ground truth of shares."""
         positions = np.asarray(positions, np.int64)
-        blocks, offsets = np.divmod(positions, BLOCK)
         out = np.empty(positions.size, np.int64)
-        for b in np.unique(blocks).tolist():
-            rows = np.flatnonzero(blocks == b)
-            out[rows] = self._block(seed, b)[0][offsets[rows]]
+        for phase, rows in self._phase_rows(positions):
+            if rows.size:
+                out[rows] = phase.locate(seed, positions[rows])[0]
         return out
+
+
+class Phase:
+    """A stretch of global positions ``[start, ...)`` mixed by one schedule.
+
+    Phase 0 starts at position 0 with its source counts at 0. A new phase (a deliberate
+    change of weights at a resume, ``load_state_dict(token, new_phase=True)``) starts
+    where the consumed positions reached, with each source's count carried over, so
+    every source continues its own stream where it stood; its schedule's boundaries
+    count from the phase's start.
+
+    Args:
+        start: first global position of the phase.
+        base: ``int64 (sources,)``: positions each source was given before ``start``.
+        counts: ``int64 (pieces, sources)``: positions per block of each source, per piece.
+        piece_starts: first position of each piece, relative to ``start``.
+        number: the phase's number (0 for the run's first).
+    """
+
+    def __init__(
+        self,
+        start: int,
+        base: np.ndarray,
+        counts: np.ndarray,
+        piece_starts: Sequence[int],
+        number: int = 0,
+    ) -> None:
+        self.start = int(start)
+        self.base = np.asarray(base, np.int64)
+        self.counts = np.asarray(counts, np.int64)
+        self.first_block = np.array(piece_starts, np.int64) // BLOCK
+        self.number = number
+        # Phase 0's blocks keep the key they had before phases existed.
+        self.key_parts = (_MIX_KEY,) if number == 0 else (_MIX_KEY, number, self.start)
+        self._blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def _block(self, seed: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(source of each offset int64 (BLOCK,), index among the block's positions of
+        that source int64 (BLOCK,))`` of one block of the phase."""
+        key = (seed, block)
+        found = self._blocks.get(key)
+        if found is not None:
+            return found
+        piece = int(np.searchsorted(self.first_block, block, side="right")) - 1
+        bounds = np.concatenate([[0], np.cumsum(self.counts[piece])])
+        order = EpochOrder(BLOCK, derive_key(seed, *self.key_parts), block, True)
+        src = np.searchsorted(bounds, order.range(0, BLOCK), side="right") - 1
+        k = np.empty(BLOCK, np.int64)
+        for s in range(self.counts.shape[1]):
+            where = np.flatnonzero(src == s)
+            k[where] = np.arange(where.size)
+        if len(self._blocks) >= 256:
+            self._blocks.clear()
+        self._blocks[key] = (src, k)
+        return src, k
+
+    def _before(self, blocks: np.ndarray) -> np.ndarray:
+        """``int64 (len(blocks), sources)``: positions of each source before each block."""
+        starts = self.first_block
+        ends = np.concatenate([starts[1:], [np.iinfo(np.int64).max]])
+        span = np.clip(np.minimum(blocks[:, None], ends[None, :]) - starts[None, :], 0, None)
+        return span @ self.counts  # (blocks, pieces) @ (pieces, sources)
+
+    def locate(self, seed: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, index in the source's own stream)`` of global positions >= start."""
+        blocks, offsets = np.divmod(positions - self.start, BLOCK)
+        unique, inverse = np.unique(blocks, return_inverse=True)
+        src = np.empty(positions.size, np.int64)
+        k = np.empty(positions.size, np.int64)
+        for i, b in enumerate(unique.tolist()):
+            rows = np.flatnonzero(inverse == i)
+            block_src, block_k = self._block(seed, b)
+            src[rows] = block_src[offsets[rows]]
+            k[rows] = block_k[offsets[rows]]
+        return src, self.base[src] + self._before(unique)[inverse, src] + k
+
+    def counts_before(self, seed: int, position: int) -> np.ndarray:
+        """``int64 (sources,)``: positions each source was given before ``position``
+        (>= start), this phase's and the earlier ones'."""
+        block, offset = divmod(position - self.start, BLOCK)
+        src, _ = self._block(seed, block)
+        partial = np.bincount(src[:offset], minlength=self.counts.shape[1])
+        return self.base + self._before(np.array([block]))[0] + partial
+
+    def to_json(self) -> dict[str, Any]:
+        """The phase's place in the positions: ``{"number", "start", "base"}``."""
+        return {"number": self.number, "start": self.start, "base": self.base.tolist()}
 
 
 class MixtureOrder:
@@ -312,6 +378,14 @@ class MixtureOrder:
     def range(self, start: int, stop: int) -> np.ndarray:
         """Flat ids at positions ``[start, stop)``."""
         return self.sample_ids(np.arange(start, stop, dtype=np.int64))
+
+
+def _phase_of(record: dict[str, Any], schedule: list[list[Any]], names: Sequence[str]) -> Phase:
+    """A :class:`Phase` from its record (``number``, ``start``, ``base``) and schedule."""
+    starts = [int(st) for st, _ in schedule]
+    counts = np.stack([_counts(dict(w), names) for _, w in schedule])
+    base = np.array(record["base"], np.int64)
+    return Phase(int(record["start"]), base, counts, starts, int(record["number"]))
 
 
 class MixturePipeline(MapPipeline):
@@ -356,6 +430,66 @@ class MixturePipeline(MapPipeline):
             sources=codes,
             source_names=self.mixture.names,
         )
+
+    def enter_phase(self, phase: dict[str, Any] | None) -> None:
+        """Serve positions by the phase of an attempt record, and the one before it (whose
+        last batches a resume verifies); ``None``: the mixture's own schedule from 0."""
+        names = self.mixture.names
+        if phase is None:
+            zero = np.zeros(len(names), np.int64)
+            own = Phase(0, zero, self.mixture.counts, self.mixture.schedule.starts)
+            self.mixture.enter_phase([own])
+            return
+        phases = []
+        previous = phase.get("previous")
+        if previous is not None:
+            phases.append(_phase_of(previous, previous["schedule"], names))
+        phases.append(_phase_of(phase, phase["config"]["mixture"]["schedule"], names))
+        self.mixture.enter_phase(phases)
+        self._mixture_orders = {}
+
+    def new_phase(
+        self, store: Store, head: Commit, current: dict[str, Any] | None, logged: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A new phase with this mixture's weights, starting where ``head``'s ranks reached
+        (every source continues its own stream where it stood).
+
+        Raises:
+            ConfigMismatch: if anything but the weights changed (sources, their lengths,
+                the epoch size, the seed, the batch size...).
+            ResumeMismatch: if the ranks at ``head`` stopped at different steps.
+        """
+        old = current["config"] if current is not None else logged
+        mine = self.config()
+        refuse_phase(mine, old, PHASE_KEYS)
+        kept = ("algorithm", "block", "epoch_size", "sources")
+        for key in kept:
+            if old["mixture"].get(key) != mine["mixture"].get(key):
+                raise ConfigMismatch(
+                    f"mixture {key}",
+                    old["mixture"].get(key),
+                    mine["mixture"].get(key),
+                    "A new phase can change a mixture's weights only: keep its sources, "
+                    "their lengths and its epoch size.",
+                )
+        # The positions so far, as the current phase (its own weights) served them.
+        if current is None:
+            zero = {"number": 0, "start": 0, "base": [0] * len(self.mixture.names)}
+            self.mixture.enter_phase(
+                [_phase_of(zero, old["mixture"]["schedule"], self.mixture.names)]
+            )
+        else:
+            self.enter_phase(current)
+        state, _ = resume_elastic(store, head, self.plan, self.order, self.logged_ids)
+        start = state.epoch * self.mixture.epoch_size + state.epoch_start
+        was = self.mixture.phases[-1]
+        return {
+            "number": was.number + 1,
+            "config": mine,
+            "start": start,
+            "base": was.counts_before(self.settings.seed, start).tolist(),
+            "previous": {**was.to_json(), "schedule": old["mixture"]["schedule"]},
+        }
 
     def logged_ids(self, rows: pa.Table) -> np.ndarray:
         """Flat ids of logged events (their ``source`` and ``sample_id``)."""

@@ -131,6 +131,27 @@ class Pipeline(Protocol):
         """Events that hold what the state alone does not (``buffer`` events), at a commit."""
         ...
 
+    def enter_phase(self, phase: dict[str, Any] | None) -> None:
+        """Serve the phase of an attempt record (``None``: the run's first phase)."""
+        ...
+
+    def new_phase(
+        self, store: Store, head: Commit, current: dict[str, Any] | None, logged: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The record of a new phase starting after ``head`` with this pipeline's
+        configuration (``load_state_dict(token, new_phase=True)``).
+
+        Args:
+            store: the log root.
+            head: the commit resumed from.
+            current: the phase ``head`` belongs to (``None``: the first).
+            logged: the run's configuration (``run.json``).
+
+        Raises:
+            ConfigMismatch: if the change is not one a phase can make exactly.
+        """
+        ...
+
     def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
         """Rebuild this rank's state at ``head`` from the log, and verify it.
 
@@ -167,3 +188,27 @@ def build(dataset: Any, settings: LoaderSettings) -> Pipeline:
     from ledger.mapstyle import MapPipeline
 
     return MapPipeline(dataset, settings)
+
+
+def refuse_phase(mine: dict[str, Any], logged: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    """Raise ``ConfigMismatch`` for the first key outside ``allowed`` that a new phase
+    would change (world size and workers are elastic, not a phase).
+
+    Raises:
+        ConfigMismatch: naming the key, both values and what a phase can change.
+    """
+    from ledger.commits import ELASTIC_KEYS, upgrade_config
+    from ledger.errors import ConfigMismatch
+
+    logged = upgrade_config(logged)
+    for key in sorted((set(logged) | set(mine)) - set(ELASTIC_KEYS)):
+        if key not in allowed and logged.get(key) != mine.get(key):
+            # TODO(phases): other changes (batch size, sources, streams) need the old
+            # plan's replay; only a mixture's weights can change in a new phase today.
+            raise ConfigMismatch(
+                key,
+                logged.get(key),
+                mine.get(key),
+                "A new phase can change a ledger.Mixture's weights (or schedule) only; "
+                "resume with the run's configuration otherwise, or start a new run.",
+            )

@@ -189,3 +189,78 @@ def test_coverage_and_duplicates_of_a_mixture_count_its_positions(root) -> None:
     results = {r.check: r for r in check(root, ["coverage", "duplicates", "mixture"])}
     assert all(r.ok for r in results.values()), results
     assert results["coverage"].detail.startswith("2 finished epochs cover all 42 samples")
+
+
+# ---------------------------------------------------------------- phases
+
+
+def _loader(root, weights, batch_size=50, workers=0) -> ledger.DataLoader:
+    return ledger.DataLoader(
+        mixture(weights, epoch_size=1000),
+        batch_size=batch_size,
+        shuffle=True,
+        seed=6,
+        num_workers=workers,
+        log=root,
+    )
+
+
+EARLY = {"code": 0.9, "prose": 0.1}
+LATE = {"code": 0.1, "prose": 0.9}
+
+
+def test_a_change_of_weights_needs_new_phase(root) -> None:
+    from ledger.errors import ConfigMismatch
+
+    loader = _loader(root, EARLY)
+    list(take(loader, 3))
+    token = loader.state_dict()
+    with pytest.raises(ConfigMismatch, match="new_phase=True"):
+        _loader(root, LATE).load_state_dict(token)
+    with pytest.raises(ConfigMismatch, match=r"weights \(or schedule\) only"):
+        _loader(root, LATE, batch_size=25).load_state_dict(token, new_phase=True)
+
+
+def test_a_new_phase_continues_every_source_and_resumes_exactly(root) -> None:
+    from ledger.errors import ConfigMismatch
+
+    early = _loader(root, EARLY)
+    before = [b["id"] for b in take(early, 12)]  # positions [0, 600)
+    boundary = early.state_dict()
+    late = _loader(root, LATE)
+    late.load_state_dict(boundary, new_phase=True)
+    after, tokens = [], []
+    for batch in take(late, 30):  # positions [600, 2100): two epochs of the mixture
+        after.append(batch["id"])
+        if len(after) % 7 == 0:
+            tokens.append((len(after), late.state_dict()))
+    ids = torch.cat(before + after).numpy()
+    is_prose = (ids >= 1000).astype(int)
+    # The new phase's first block (positions 600..1599) holds exactly its weights.
+    assert np.bincount(is_prose[600:1600], minlength=2).tolist() == [100, 900]
+    assert np.bincount(is_prose[:600], minlength=2).tolist()[1] < 120  # the early weights
+    # Every source continued its own order across the phase boundary.
+    for name, got, n in (
+        ("code", [int(i) for i in ids if i < 1000], 13),
+        ("prose", [int(i) - 1000 for i in ids if i >= 1000], 29),
+    ):
+        want = [
+            int(EpochOrder(n, _source_seed(name, 6), k // n, True).sample_ids(k % n))
+            for k in range(len(got))
+        ]
+        assert got == want
+    # Resumes inside the new phase continue it exactly (any worker count), and need its
+    # configuration: the early weights are refused now.
+    for done, token in tokens:
+        for workers in (0, 2):
+            resumed = _loader(root, LATE, workers=workers)
+            resumed.load_state_dict(token)
+            rest = [b["id"] for b in take(resumed, 30 - done)]
+            assert all(torch.equal(a, b) for a, b in zip(rest, after[done:], strict=True))
+    with pytest.raises(ConfigMismatch, match="mixture"):
+        _loader(root, EARLY).load_state_dict(tokens[-1][1])
+    # The audit reads each phase's targets: exact shares per phase, and the table.
+    result = check(root, ["mixture"])[0]
+    assert result.ok and "in each of 2 phases" in result.detail, result.detail
+    out = CliRunner().invoke(main, ["audit", root])
+    assert "Shares per phase" in out.output, out.output

@@ -1,8 +1,9 @@
 """Kill a training run with SIGKILL, resume it, and show nothing changed.
 
-For each pipeline -- map-style (``examples/train_lm.py``), then streamed and packed
-(``examples/train_lm_packed.py`` over Parquet shards of ``tools/make_shards.py``) --
-runs the training script three times:
+For each pipeline -- map-style (``examples/train_lm.py``), streamed and packed
+(``examples/train_lm_packed.py`` over Parquet shards of ``tools/make_shards.py``), then
+a weighted mixture of two corpora with an annealing phase
+(``examples/train_lm_mixture.py``) -- runs the training script three times:
 
 1. uninterrupted, in ``WORKDIR/<pipeline>/clean``;
 2. in ``WORKDIR/<pipeline>/crash``, sending SIGKILL at a random step after the first
@@ -12,8 +13,8 @@ runs the training script three times:
 Then compares the batches the training loop received in both runs, element by element
 (the crashed run's effective stream keeps, for every step, the batch seen last, since
 the resumed attempt redoes the steps after its checkpoint), compares the final weights
-bit for bit, and prints ``ledger audit`` of the crashed run's log. Exits 1 if anything
-differs.
+bit for bit, and prints ``ledger audit`` of the crashed run's log (for the mixture with
+``--check mixture``: realised against target shares). Exits 1 if anything differs.
 
 Example:
     python tools/demo.py
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_lm.py"
 TRAIN_PACKED = REPO / "examples" / "train_lm_packed.py"
+TRAIN_MIXTURE = REPO / "examples" / "train_lm_mixture.py"
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -174,13 +176,17 @@ def ledger_cli(*args: str) -> tuple[int, str]:
 # Checks a resumed run must pass ('abandoned' fails by design after a crash: it reports
 # the batches the killed process consumed and never committed).
 CHECKS = ("coverage", "duplicates", "skips", "progress", "skew")
+PIPELINES = ("map", "packed", "mixture")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", type=Path, default=None, help="default: a new temp dir")
     ap.add_argument(
-        "--only", choices=("map", "packed"), default=None, help="run one pipeline (default both)"
+        "--only",
+        choices=PIPELINES,
+        default=None,
+        help="run one pipeline (default: all three)",
     )
     ap.add_argument("--seed", type=int, default=0, help="picks the steps to kill at")
     ap.add_argument("--train-seed", type=int, default=0, help="training scripts' --seed")
@@ -212,6 +218,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "run crosses epochs)",
     )
     p.add_argument("--shards", type=int, default=4, help="Parquet shards")
+    x = ap.add_argument_group("mixture pipeline (train_lm_mixture.py)")
+    x.add_argument("--mixture-steps", type=int, default=150)
+    x.add_argument("--mixture-ckpt-every", type=int, default=30)
+    x.add_argument("--mixture-max-samples", type=int, default=2000, help="windows per corpus")
     p.add_argument(
         "--row-group-rows",
         type=int,
@@ -230,6 +240,7 @@ def run_pipeline(
     steps: int,
     kill_at: int,
     materialize: list[str] | None = None,
+    checks: tuple[str, ...] = CHECKS,
 ) -> list[str]:
     """Uninterrupted run, SIGKILL at ``kill_at``, ``--resume``; compare, print, audit.
 
@@ -243,6 +254,7 @@ def run_pipeline(
         kill_at: the step (0-based) at which the second run is killed.
         materialize: ``ledger show --materialize`` options naming the dataset, to
             re-create the last committed batch and compare its digest; ``None``: skip.
+        checks: the ``ledger audit --check`` names to run.
 
     Returns:
         What failed, one sentence each; empty if the resumed run matched.
@@ -307,7 +319,7 @@ def run_pipeline(
     log = str(crash / "log")
     commands = [
         ["audit", log],
-        ["audit", log, *(arg for c in CHECKS for arg in ("--check", c))],
+        ["audit", log, *(arg for c in checks for arg in ("--check", c))],
     ]
     if materialize is not None:  # the last committed batch, re-created from the dataset
         rc, last = ledger_cli(
@@ -333,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     console = Console(highlight=False)
-    pipelines = ("map", "packed") if args.only is None else (args.only,)
+    pipelines = PIPELINES if args.only is None else (args.only,)
 
     def kill_step(steps: int, ckpt_every: int) -> int | None:
         margin = max(5, steps // 10)  # leave the run time to die before it ends
@@ -368,8 +380,22 @@ def main(argv: list[str] | None = None) -> int:
         "--shuffle-buffer", str(args.shuffle_buffer),
         *common,
     ]  # fmt: skip
+    mixture_args = [
+        "--steps", str(args.mixture_steps),
+        "--batch-size", str(args.batch_size),
+        "--seq-len", str(args.seq_len),
+        "--ckpt-every", str(args.mixture_ckpt_every),
+        "--max-samples", str(args.mixture_max_samples),
+        *common,
+    ]  # fmt: skip
     plans = {
         "map": (TRAIN, map_args, args.steps, kill_step(args.steps, args.ckpt_every)),
+        "mixture": (
+            TRAIN_MIXTURE,
+            mixture_args,
+            args.mixture_steps,
+            kill_step(args.mixture_steps, args.mixture_ckpt_every),
+        ),
         "packed": (
             TRAIN_PACKED,
             packed_args,
@@ -413,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         failures += run_pipeline(
             console, title, script, workdir / name, train_args, steps, kill_at,
             materialize_args if name == "map" else None,
+            (*CHECKS, "mixture") if name == "mixture" else CHECKS,
         )  # fmt: skip
 
     console.rule()

@@ -137,7 +137,7 @@ def check(
             elif name == "progress":
                 results.append(_progress(con))
             elif name == "mixture":
-                results.append(CheckResult(name, *check_mixture(con, config)))
+                results.append(CheckResult(name, *check_mixture(store, con, config)))
             else:
                 limit = int(config.get("batch_size", 1)) if max_skew is None else max_skew
                 skew = summary.skew

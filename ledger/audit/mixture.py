@@ -18,6 +18,9 @@ from typing import Any
 
 import duckdb
 
+from ledger.commits import read_attempt
+from ledger.store import Store
+
 Z = 4.0
 """Binomial standard deviations a realised count may stray from its target."""
 
@@ -48,18 +51,58 @@ class SourceShare:
         return abs(self.count - self.expected) <= self.tolerance
 
 
-def _pieces(mixture: dict[str, Any]) -> str:
-    """SQL ``CASE`` giving the schedule piece of a global position ``p``."""
-    starts = [int(s) for s, _ in mixture["schedule"]]
-    whens = " ".join(f"WHEN p >= {s} THEN {i}" for i, s in reversed(list(enumerate(starts))))
-    return f"CASE {whens} END"
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A stretch of global positions with one target: a piece of a phase's schedule.
+
+    Attributes:
+        start: first global position.
+        phase: the phase's number (0: the run's first).
+        targets: target share by source.
+    """
+
+    start: int
+    phase: int
+    targets: dict[str, float]
 
 
-def _counts(con: duckdb.DuckDBPyConnection, mixture: dict[str, Any]) -> list[tuple[int, str, int]]:
-    size = int(mixture["epoch_size"])
+def pieces(store: Store, con: duckdb.DuckDBPyConnection, config: dict[str, Any]) -> list[Piece]:
+    """The pieces of the phases of the lineage of ``con``, by start.
+
+    Phase 0's schedule is ``run.json``'s; each later phase's is in the record of the
+    attempts serving it (its boundaries count from the phase's start). A piece of a
+    phase that a later phase began before is left out.
+    """
+    phases = {0: (0, config["mixture"])}
+    attempts = [
+        int(a)
+        for (a,) in con.execute("SELECT DISTINCT attempt FROM commits WHERE in_lineage").fetchall()
+    ]
+    for a in attempts:
+        try:
+            phase = read_attempt(store, f"{a:04d}.json")["phase"]
+        except FileNotFoundError:
+            continue
+        if phase is not None and "mixture" in phase["config"]:
+            phases[int(phase["number"])] = (int(phase["start"]), phase["config"]["mixture"])
+    ordered = sorted(phases.items(), key=lambda kv: kv[1][0])
+    out: list[Piece] = []
+    for i, (number, (start, mixture)) in enumerate(ordered):
+        end = ordered[i + 1][1][0] if i + 1 < len(ordered) else None
+        for (rel, _), targets in zip(mixture["schedule"], mixture["targets"], strict=True):
+            if end is None or start + int(rel) < end:
+                out.append(Piece(start + int(rel), number, dict(targets)))
+    return out
+
+
+def _counts(
+    con: duckdb.DuckDBPyConnection, size: int, cuts: list[Piece]
+) -> list[tuple[int, str, int]]:
+    """``(piece index, source, samples)`` of the lineage."""
+    whens = " ".join(f"WHEN p >= {c.start} THEN {i}" for i, c in reversed(list(enumerate(cuts))))
     return con.execute(
         f"""
-        SELECT {_pieces(mixture)} AS piece, source, count(*) AS n FROM (
+        SELECT CASE {whens} END AS piece, source, count(*) AS n FROM (
             SELECT CAST(source AS VARCHAR) AS source,
                    CAST(epoch AS BIGINT) * {size} + position AS p
             FROM lineage WHERE kind = 'sample'
@@ -68,22 +111,9 @@ def _counts(con: duckdb.DuckDBPyConnection, mixture: dict[str, Any]) -> list[tup
     ).fetchall()
 
 
-def source_shares(con: duckdb.DuckDBPyConnection, config: dict[str, Any]) -> list[SourceShare]:
-    """Realised against target share of each source over the lineage of ``con``.
-
-    Args:
-        con: a connection from :func:`ledger.audit.connect` (its ``lineage`` view).
-        config: the run's configuration (``run.json``'s ``config``), with ``mixture``.
-
-    Returns:
-        One :class:`SourceShare` per source, in the mixture's order.
-    """
-    mixture = config["mixture"]
-    names = [s["name"] for s in mixture["sources"]]
-    targets = mixture["targets"]
-    per_piece: dict[int, dict[str, int]] = {}
-    for piece, source, n in _counts(con, mixture):
-        per_piece.setdefault(int(piece), {})[str(source)] = int(n)
+def _shares(
+    names: list[str], cuts: list[Piece], per_piece: dict[int, dict[str, int]]
+) -> list[SourceShare]:
     total = sum(sum(c.values()) for c in per_piece.values())
     out = []
     for name in names:
@@ -91,7 +121,7 @@ def source_shares(con: duckdb.DuckDBPyConnection, config: dict[str, Any]) -> lis
         expected = var = 0.0
         for piece, c in per_piece.items():
             n = sum(c.values())
-            t = float(targets[piece].get(name, 0.0))
+            t = float(cuts[piece].targets.get(name, 0.0))
             expected += n * t
             var += n * t * (1 - t)
         out.append(
@@ -105,6 +135,35 @@ def source_shares(con: duckdb.DuckDBPyConnection, config: dict[str, Any]) -> lis
             )
         )
     return out
+
+
+def source_shares(
+    store: Store, con: duckdb.DuckDBPyConnection, config: dict[str, Any]
+) -> tuple[list[SourceShare], dict[int, list[SourceShare]]]:
+    """Realised against target share of each source over the lineage of ``con``, in all
+    and per phase.
+
+    Args:
+        store: the log root (its attempt records hold the phases).
+        con: a connection from :func:`ledger.audit.connect` (its ``lineage`` view).
+        config: the run's configuration (``run.json``'s ``config``), with ``mixture``.
+
+    Returns:
+        One :class:`SourceShare` per source in the mixture's order; and the same per
+        phase number (the phases of the lineage that served samples).
+    """
+    mixture = config["mixture"]
+    names = [s["name"] for s in mixture["sources"]]
+    cuts = pieces(store, con, config)
+    per_piece: dict[int, dict[str, int]] = {}
+    for piece, source, n in _counts(con, int(mixture["epoch_size"]), cuts):
+        per_piece.setdefault(int(piece), {})[str(source)] = int(n)
+    by_phase: dict[int, dict[int, dict[str, int]]] = {}
+    for piece, c in per_piece.items():
+        by_phase.setdefault(cuts[piece].phase, {})[piece] = c
+    return _shares(names, cuts, per_piece), {
+        ph: _shares(names, cuts, pp) for ph, pp in sorted(by_phase.items())
+    }
 
 
 def shares_over_steps(
@@ -148,28 +207,34 @@ class MixtureSummary:
 
     sources: list[SourceShare]
     steps: list[tuple[int, int, dict[str, float]]]
+    phases: dict[int, list[SourceShare]]
 
 
 def summarize_mixture(
-    con: duckdb.DuckDBPyConnection, config: dict[str, Any], buckets: int = 10
+    store: Store, con: duckdb.DuckDBPyConnection, config: dict[str, Any], buckets: int = 10
 ) -> MixtureSummary | None:
     """The mixture's shares, or ``None`` when the run is not a mixture."""
     if "mixture" not in config:
         return None
-    return MixtureSummary(source_shares(con, config), shares_over_steps(con, config, buckets))
+    overall, phases = source_shares(store, con, config)
+    return MixtureSummary(overall, shares_over_steps(con, config, buckets), phases)
 
 
-def check_mixture(con: duckdb.DuckDBPyConnection, config: dict[str, Any]) -> tuple[bool, str]:
-    """The ``mixture`` check: ``(ok, one line of detail)``."""
+def check_mixture(
+    store: Store, con: duckdb.DuckDBPyConnection, config: dict[str, Any]
+) -> tuple[bool, str]:
+    """The ``mixture`` check, per phase: ``(ok, one line of detail)``."""
     if "mixture" not in config:
         return True, "not a mixture: no shares to check"
-    shares = source_shares(con, config)
-    bad = [s for s in shares if not s.ok]
+    overall, phases = source_shares(store, con, config)
+    bad = [s for shares in phases.values() for s in shares if not s.ok]
+    shares = overall if len(phases) <= 1 else [s for p in phases.values() for s in p]
     parts = ", ".join(
         f"{s.source} {s.count} ({s.share:.2%}, target {s.target:.2%}, "
         f"expected {s.expected:.0f} ± {s.tolerance:.0f})"
         for s in (bad or shares)
     )
+    where = f" in each of {len(phases)} phases" if len(phases) > 1 else ""
     if bad:
-        return False, f"shares off target by more than {Z:g} binomial sd: {parts}"
-    return True, f"shares within {Z:g} binomial sd of target: {parts}"
+        return False, f"shares off target by more than {Z:g} binomial sd{where}: {parts}"
+    return True, f"shares within {Z:g} binomial sd of target{where}: {parts}"

@@ -22,7 +22,7 @@ import torch.utils.data as tud
 from ledger.commits import Commit, PipelineState, WorkerState, read_commit
 from ledger.errors import LedgerError
 from ledger.order import BatchPlan
-from ledger.pipeline import LoaderSettings
+from ledger.pipeline import LoaderSettings, refuse_phase
 from ledger.replay import read_buffers, replay_stream
 from ledger.schema import BUFFER, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
@@ -279,6 +279,17 @@ class StreamPipeline:
             for worker, ids in sorted(self.current_buffers().items())
             if ids
         ]
+
+    def enter_phase(self, phase: dict[str, Any] | None) -> None:
+        return None  # a phase changes nothing a stream serves (see new_phase)
+
+    def new_phase(
+        self, store: Store, head: Commit, current: dict[str, Any] | None, logged: dict[str, Any]
+    ) -> dict[str, Any]:
+        base = current["config"] if current is not None else logged
+        refuse_phase(self.config(), base, ())
+        number = current["number"] + 1 if current is not None else 1
+        return {"number": number, "config": self.config(), "start": 0, "base": []}
 
     def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
         """See :func:`ledger.replay.replay_stream`."""
