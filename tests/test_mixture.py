@@ -264,3 +264,5 @@ def test_a_new_phase_continues_every_source_and_resumes_exactly(root) -> None:
     assert result.ok and "in each of 2 phases" in result.detail, result.detail
     out = CliRunner().invoke(main, ["audit", root])
     assert "Shares per phase" in out.output, out.output
+    phases = connect(root).execute("SELECT attempt, phase FROM attempts ORDER BY 1").fetchall()
+    assert phases[:2] == [(0, 0), (1, 1)] and {p for _, p in phases[2:]} == {1}
