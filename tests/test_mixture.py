@@ -3,6 +3,7 @@ realised shares against the ground truth, schedules, the source column and the a
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import numpy as np
@@ -264,5 +265,9 @@ def test_a_new_phase_continues_every_source_and_resumes_exactly(root) -> None:
     assert result.ok and "in each of 2 phases" in result.detail, result.detail
     out = CliRunner().invoke(main, ["audit", root])
     assert "Shares per phase" in out.output, out.output
+    from ledger.audit import write_report
+
+    page = write_report(root, os.path.join(root, "..", "report.html")).read_text()
+    assert "Mixture: shares of the sources" in page and "Per phase" in page
     phases = connect(root).execute("SELECT attempt, phase FROM attempts ORDER BY 1").fetchall()
     assert phases[:2] == [(0, 0), (1, 1)] and {p for _, p in phases[2:]} == {1}

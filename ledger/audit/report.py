@@ -676,6 +676,58 @@ def _note(text: str) -> str:
     return f'<p class="note">{text}</p>'
 
 
+def _mixture_section(root: str, con: duckdb.DuckDBPyConnection) -> list[str]:
+    """A mixture's shares (:mod:`ledger.audit.mixture`): per source, per phase and over
+    steps; nothing for another run."""
+    from ledger.audit.mixture import summarize_mixture
+
+    store = Store(root)
+    m = summarize_mixture(store, con, read_run(store)["config"])
+    if m is None:
+        return []
+    names = [x.source for x in m.sources]
+    sources = _table(
+        ["source", "samples", "share", "target", "expected", "within"],
+        [
+            [
+                x.source,
+                x.count,
+                f"{x.share:.2%}",
+                f"{x.target:.2%}",
+                f"{x.expected:.0f} ± {x.tolerance:.0f}",
+                "yes" if x.ok else "NO",
+            ]
+            for x in m.sources
+        ],
+        [not x.ok for x in m.sources],
+    )
+    phases = _table(
+        ["phase", *names],
+        [[n, *(f"{x.share:.1%} ({x.target:.1%})" for x in per)] for n, per in m.phases.items()],
+        [any(not x.ok for x in per) for per in m.phases.values()],
+    )
+    steps = _table(
+        ["steps", *names],
+        [[f"{a}-{b}", *(f"{sh[n]:.1%}" for n in names)] for a, b, sh in m.steps],
+    )
+    return [
+        _section(
+            "Mixture: shares of the sources",
+            sources,
+            "<h3>Per phase: realised (target)</h3>",
+            phases,
+            "<h3>Over steps</h3>",
+            steps,
+            _note(
+                "Realised against target share of each source of the ledger.Mixture over "
+                "the lineage. The check <code>ledger audit --check mixture</code> fails a "
+                "source more than 4 binomial standard deviations (plus one sample) from "
+                "its expected count, per phase of the run."
+            ),
+        )
+    ]
+
+
 def _page(root: str, s: Summary, con: duckdb.DuckDBPyConnection) -> str:
     run = con.execute(
         "SELECT run_id, created_at, dataset_len, seed, shuffle, batch_size, drop_last, "
@@ -907,6 +959,7 @@ def _page(root: str, s: Summary, con: duckdb.DuckDBPyConnection) -> str:
             "<h3>Attempts</h3>",
             attempts_table,
         ),
+        *_mixture_section(root, con),
         _section(
             "Orphan segments and uncommitted work",
             orphan_part,
