@@ -76,8 +76,8 @@ def write_report(root: str, out: str | os.PathLike[str], head: str | None = None
     head's lineage (samples, coverage, duplicates, skipped positions), the ranks at the
     head, uncommitted work and orphan segments, token figures of a packed run (tokens
     seen, padding share), a mixture's shares (per source against target, per phase,
-    over steps: :mod:`ledger.audit.mixture`), and five inline SVG plots: coverage per epoch (the axis zooms
-    while an epoch is barely begun) and cumulative duplicates per epoch (both against the
+    over steps: :mod:`ledger.audit.mixture`), and five inline SVG plots: coverage per
+    epoch (the axis zooms while an epoch is barely begun) and cumulative duplicates per epoch (both against the
     training step, i.e. the per-rank batch index + 1), samples consumed per rank against
     the commit step, commits against wall-clock time (the time before each restart
     shaded), and the commit timeline with abandoned branches. Cells never wrap (commit ids

@@ -53,8 +53,7 @@ epoch_batch BIGINT, batch BIGINT.
 
 ``attempts``: one row per ``attempts/<A>.json``: attempt INTEGER, parent VARCHAR (the
 commit it resumed from, NULL for a fresh start), world_size INTEGER, created_at TIMESTAMP
-(UTC), host VARCHAR, pid BIGINT, phase INTEGER (0: the run's first phase; a later one
-began with ``load_state_dict(token, new_phase=True)``).
+(UTC), host VARCHAR, pid BIGINT.
 
 ``uncommitted``: events journaled by a rank and covered by no commit of its attempt:
 batches that reached a training loop after its last commit (a crashed attempt's lost
@@ -173,7 +172,6 @@ _ATTEMPTS_SCHEMA = pa.schema(
         ("created_at", _TS),
         ("host", pa.string()),
         ("pid", pa.int64()),
-        ("phase", pa.int32()),
     ]
 )
 _RUN_SCHEMA = pa.schema(
@@ -565,8 +563,7 @@ def _attempts_table(store: Store) -> pa.Table:
         except FileNotFoundError:
             continue  # removed since the listing
         when = _timestamp(a["created_at"], store.full(f"attempts/{name}"))
-        phase = a["phase"]["number"] if a["phase"] is not None else 0
-        rows.append({**a, "created_at": when, "phase": phase})
+        rows.append({**a, "created_at": when})
     return _table(sorted(rows, key=lambda r: r["attempt"]), _ATTEMPTS_SCHEMA)
 
 
