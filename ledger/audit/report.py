@@ -75,16 +75,17 @@ def write_report(root: str, out: str | os.PathLike[str], head: str | None = None
     The page shows the run and the head, tables of the attempts, the epochs of the
     head's lineage (samples, coverage, duplicates, skipped positions), the ranks at the
     head, uncommitted work and orphan segments, token figures of a packed run (tokens
-    seen, padding share), a mixture's shares (per source against target, per phase,
-    over steps: :mod:`ledger.audit.mixture`), and five inline SVG plots: coverage per
-    epoch (the axis zooms while an epoch is barely begun) and cumulative duplicates per epoch (both against the
-    training step, i.e. the per-rank batch index + 1), samples consumed per rank against
-    the commit step, commits against wall-clock time (the time before each restart
-    shaded), and the commit timeline with abandoned branches. Cells never wrap (commit ids
-    are copied whole); wide tables scroll. The same log and head always give the same
-    bytes. Cost: about four scans of the lineage's events in DuckDB (one more over each
-    epoch that holds a duplicate, one of the spans of a packed run); about 5 s for 2 * 10**7
-    events here (before the token figures and the wall-clock plot were added).
+    seen, padding share), a mixture's shares (per source against target, per phase, over
+    steps: :mod:`ledger.audit.mixture`), and five inline SVG plots: coverage per epoch
+    (the axis zooms while an epoch is barely begun) and cumulative duplicates per epoch
+    (both against the training step, i.e. the per-rank batch index + 1), samples
+    consumed per rank against the commit step, commits against wall-clock time (the time
+    before each restart shaded), and the commit timeline with abandoned branches. Cells
+    never wrap (commit ids are copied whole); wide tables scroll. The same log and head
+    always give the same bytes. Cost: about four scans of the lineage's events in DuckDB
+    (one more over each epoch that holds a duplicate, one of the spans of a packed run);
+    about 5 s for 2 * 10**7 events here (before the token figures and the wall-clock
+    plot were added).
 
     Args:
         root: the log root (a local directory).
