@@ -111,8 +111,9 @@ class DataLoader:
 
     Args:
         dataset: map-style dataset (``__len__`` and ``__getitem__(int)``), e.g. a HF
-            ``datasets.Dataset``, or a :class:`ledger.stream.Stream`. An
-            ``IterableDataset`` is refused: use a ``Stream``.
+            ``datasets.Dataset``, a :class:`ledger.Mixture` of such datasets, or a
+            :class:`ledger.stream.Stream`. An ``IterableDataset`` is refused: use a
+            ``Stream``.
         batch_size: samples per batch on this rank (>= 1; ``None`` is refused).
         shuffle: shuffle each epoch with the seeded order; ``False``/``None``: identity
             order.
