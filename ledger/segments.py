@@ -64,7 +64,7 @@ def _writer(sink: pa.BufferOutputStream) -> pq.ParquetWriter:
         sink,
         _WRITTEN_SCHEMA,
         compression="zstd",
-        use_dictionary=["kind"],
+        use_dictionary=["kind", "source"],  # a mixture names few sources
         column_encoding=_DELTA,
         write_statistics=True,
         write_batch_size=ROW_GROUP_ROWS,  # the same bytes as the default 1,024, ~8% less CPU

@@ -137,6 +137,7 @@ def _types() -> dict[str, Any]:
         "binary": T.BinaryType(),
         "fixed_size_binary[32]": T.BinaryType(),
         "dictionary<values=string, indices=int8, ordered=0>": T.StringType(),
+        "dictionary<values=string, indices=int16, ordered=0>": T.StringType(),  # source
     }
 
 
