@@ -629,7 +629,7 @@ def _write_files(
                     sink,
                     COMPACTED_SCHEMA,
                     compression="zstd",
-                    use_dictionary=["kind", "commit_id"],
+                    use_dictionary=["kind", "source", "commit_id"],
                     column_encoding=segments._DELTA,
                     write_statistics=True,
                 )
