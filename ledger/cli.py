@@ -527,6 +527,7 @@ def show_command(
         ledger show /runs/exp7 --batch 41 --materialize \\
             --dataset examples/train_lm.py:StdlibWindows --dataset-kwargs '{"seq_len": 64}'
     """
+    import pyarrow as pa
     from rich.table import Table
 
     from ledger.audit.queries import materialize as materialize_batch
@@ -548,11 +549,14 @@ def show_command(
             record = show(root, batch, rank, head)
     columns = ["position", "sample_id", "kind", "token_start", "token_end", "length", "value"]
     events = record.events.select(columns)
+    if record.errors is not None:  # bad samples left out of the batch, where they were
+        events = pa.concat_tables([events, record.errors.select(columns)]).sort_by("position")
     if fmt in ("json", "ndjson"):
         out: dict[str, Any] = {
             "rank": record.rank, "batch": record.batch, "epoch": record.epoch,
             "worker": record.worker, "commit_id": record.commit_id,
             "digest": record.digest, "events": events.to_pylist(),
+            "skip_reason": record.skip_reason,
         }  # fmt: skip
         if made is not None:
             out["materialized_digest"] = made.digest
@@ -567,6 +571,8 @@ def show_command(
             f"{record.worker}, commit {record.commit_id}, {events.num_rows} events",
             soft_wrap=True,
         )
+        if record.skip_reason is not None:
+            console.print(f"skipped on purpose: {record.skip_reason}", soft_wrap=True)
         console.print(f"recorded digest:     {record.digest or '-'}", soft_wrap=True)
         if made is not None:
             verdict = "matches" if made.matches else "DIFFERS"
@@ -946,14 +952,17 @@ def _print_summary(s: Summary, fmt: str, mixture: MixtureSummary | None = None) 
             str(a.uncommitted_batches),
         )  # fmt: skip
     console.print(attempts)
+    extra = any(e.errors or e.rolled_back for e in s.epochs)
     epochs = Table(
         "epoch", "samples", "distinct", "coverage", "duplicates", "skipped",
+        *(("bad", "rolled back") if extra else ()),
         title=f"Lineage of {s.head or '-'}",
     )  # fmt: skip
     for e in s.epochs:
         epochs.add_row(
             str(e.epoch), str(e.samples), str(e.distinct), f"{e.coverage:.2%}",
             str(e.duplicates), str(e.skipped),
+            *((str(e.errors), str(e.rolled_back)) if extra else ()),
         )  # fmt: skip
     console.print(epochs)
     position = f"epoch {last.epoch}, position {last.position}" if last else "-"
@@ -983,6 +992,7 @@ def _print_summary(s: Summary, fmt: str, mixture: MixtureSummary | None = None) 
         console.print(ranks)
         stragglers = [str(r.rank) for r in s.ranks if r.behind]
         console.print(f"stragglers: {', '.join(stragglers) or 'none'}", soft_wrap=True)
+    _print_skips(console, s)
     if s.skew is not None:
         console.print(
             f"largest skew: {s.skew.samples} samples and {s.skew.epochs} epochs between the "
@@ -991,6 +1001,30 @@ def _print_summary(s: Summary, fmt: str, mixture: MixtureSummary | None = None) 
         )
     if mixture is not None:
         _print_mixture(mixture)
+
+
+def _print_skips(console: Any, s: Summary) -> None:
+    """The summary's bad samples and batches skipped on purpose, when there are any."""
+    from rich.table import Table
+
+    if s.skipped_batches:
+        table = Table("rank", "batches", "samples", "attempt", "reason", title="Skipped batches")
+        for r in s.skipped_batches:
+            table.add_row(
+                str(r.rank), f"{r.first}-{r.last}", str(r.samples), str(r.attempt), r.reason
+            )
+        console.print(table)
+    bad = sum(e.errors for e in s.epochs)
+    if bad:
+        title = f"Bad samples ({bad}" + (
+            f", first {len(s.bad_samples)})" if bad > len(s.bad_samples) else ")"
+        )
+        table = Table("rank", "epoch", "batch", "sample", "error", title=title)
+        for b in s.bad_samples:
+            table.add_row(
+                str(b.rank), str(b.epoch), str(b.batch), str(b.sample_id), f"{b.type}: {b.message}"
+            )
+        console.print(table)
 
 
 if __name__ == "__main__":

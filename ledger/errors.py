@@ -84,3 +84,10 @@ class Preempted(LedgerError):
     def __init__(self, message: str, sig: object = None) -> None:
         super().__init__(message)
         self.signal = sig
+
+
+class SampleError(LedgerError):
+    """Every sample of a batch failed to load under ``on_error="skip"`` (no batch to hand
+    over). The message names the batch and the first exception. Fix the dataset, or skip
+    the batch: resume and call ``loader.skip(1, reason=...)`` (:meth:`ledger.DataLoader.skip`).
+    """

@@ -27,7 +27,9 @@ seed).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -37,6 +39,19 @@ from ledger.order import batch_seed, rngs_preserved, sample_seeds, seed_globals
 
 RngMode = Literal["batch", "sample", "off"]
 RNG_MODES: tuple[str, ...] = ("batch", "sample", "off")
+OnError = Literal["raise", "skip"]
+ON_ERROR: tuple[str, ...] = ("raise", "skip")
+
+
+def check_on_error(on_error: Any) -> OnError:
+    """Validate an ``on_error`` argument.
+
+    Raises:
+        ValueError: if it is not ``"raise"`` or ``"skip"``.
+    """
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    return on_error
 
 
 def check_rng(rng: Any) -> RngMode:
@@ -59,6 +74,35 @@ def rng_of(config: dict[str, Any]) -> RngMode:
 def batch_getter(dataset: Any) -> Callable[[list[int]], Any] | None:
     """The dataset's ``__getitems__`` (batched fetch), or ``None`` if it has none."""
     return getattr(dataset, "__getitems__", None)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A sample whose loading raised (``on_error="skip"``).
+
+    Attributes:
+        index: its index in the batch request (``0..len(ids)-1``).
+        type: the exception's type (``"ValueError"``, ``"PIL.UnidentifiedImageError"``).
+        message: ``str()`` of the exception, cut to :data:`MESSAGE_CHARS` characters.
+    """
+
+    index: int
+    type: str
+    message: str
+
+    def value(self) -> str:
+        """The event's ``value``: JSON ``{"type": ..., "message": ...}``."""
+        return json.dumps({"type": self.type, "message": self.message})
+
+
+MESSAGE_CHARS = 500
+"""Characters of an exception's message kept in the log."""
+
+
+def _failure(index: int, e: Exception) -> Failure:
+    t = type(e)
+    name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    return Failure(index, name, str(e)[:MESSAGE_CHARS])
 
 
 def fetch_batch(
@@ -85,17 +129,99 @@ def fetch_batch(
 
     Returns:
         The samples, a list of ``len(ids)`` items as the dataset returned them.
+
+    Raises:
+        Exception: whatever the dataset raised.
+    """
+    samples, _ = fetch_samples(
+        dataset, ids, seed=seed, epoch=epoch, position=position, rng=rng,
+        main_process=main_process, skip_errors=False,
+    )  # fmt: skip
+    return samples
+
+
+def fetch_samples(
+    dataset: Any,
+    ids: np.ndarray,
+    *,
+    seed: int,
+    epoch: int,
+    position: int,
+    rng: RngMode,
+    main_process: bool,
+    skip_errors: bool,
+) -> tuple[list[Any], list[Failure]]:
+    """The samples of one batch, and (``skip_errors``) the ones whose loading raised.
+
+    With ``skip_errors`` a sample whose ``dataset[i]`` raises an ``Exception`` is left
+    out and reported. A batched ``__getitems__`` that raises is retried one sample at a
+    time (``__getitems__([i])``, after re-seeding as before the batched call) to find the
+    bad ones. Everything is a function of the dataset and the seeds, so the same samples
+    fail, and the others get the same random draws, on every run, resume and re-creation
+    (``ledger show --materialize``).
+
+    Args:
+        dataset, ids, seed, epoch, position, rng, main_process: as for
+            :func:`fetch_batch`.
+        skip_errors: leave out failing samples instead of raising.
+
+    Returns:
+        ``(samples, failures)``: the samples that loaded, in batch order, and the
+        failures in batch order (``[]`` without ``skip_errors``).
+
+    Raises:
+        Exception: whatever the dataset raised, without ``skip_errors`` (and
+            ``BaseException`` such as ``KeyboardInterrupt`` always).
     """
     id_list = ids.tolist()
     getitems = batch_getter(dataset)
     if rng == "off":
-        return list(getitems(id_list)) if getitems else [dataset[i] for i in id_list]
+        return _fetch(dataset, getitems, id_list, skip_errors, None)
     with rngs_preserved(main_process):
         if rng == "batch" or getitems is not None:
-            seed_globals(batch_seed(seed, epoch, position))
-            return list(getitems(id_list)) if getitems else [dataset[i] for i in id_list]
-        samples = []
-        for sid, s in zip(id_list, sample_seeds(seed, epoch, ids).tolist(), strict=True):
+            return _fetch(
+                dataset, getitems, id_list, skip_errors, batch_seed(seed, epoch, position)
+            )
+        samples: list[Any] = []
+        failures: list[Failure] = []
+        for i, (sid, s) in enumerate(
+            zip(id_list, sample_seeds(seed, epoch, ids).tolist(), strict=True)
+        ):
             seed_globals(s)
-            samples.append(dataset[sid])
-        return samples
+            try:
+                samples.append(dataset[sid])
+            except Exception as e:
+                if not skip_errors:
+                    raise
+                failures.append(_failure(i, e))
+        return samples, failures
+
+
+def _fetch(
+    dataset: Any,
+    getitems: Callable[[list[int]], Any] | None,
+    id_list: list[int],
+    skip_errors: bool,
+    seed: int | None,
+) -> tuple[list[Any], list[Failure]]:
+    """Fetch with one seed for the batch (``None``: not seeded)."""
+    if seed is not None:
+        seed_globals(seed)
+    if getitems is not None:
+        try:
+            return list(getitems(id_list)), []
+        except Exception:
+            if not skip_errors:
+                raise
+        if seed is not None:  # the per-sample retry draws as if it came first
+            seed_globals(seed)
+    samples: list[Any] = []
+    failures: list[Failure] = []
+    for i, sid in enumerate(id_list):
+        try:
+            samples.append(getitems([sid])[0] if getitems is not None else dataset[sid])
+        except Exception as e:
+            if not skip_errors:
+                raise
+            failures.append(_failure(i, e))
+    return samples, failures

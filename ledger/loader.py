@@ -26,7 +26,7 @@ from ledger import pipeline as pipelines
 from ledger import preemption, torch_args
 from ledger.commits import Commit, PipelineState, phase_of, read_run
 from ledger.errors import CommitNotFound, ConfigMismatch, LedgerError, TokenError, WrongRoot
-from ledger.fetch import RngMode, check_rng
+from ledger.fetch import RngMode, check_on_error, check_rng
 from ledger.log import Ledger
 from ledger.schema import EventChunk
 from ledger.store import Store
@@ -167,11 +167,19 @@ class DataLoader:
             ``digest=True``; skipped after an elastic resume and before the first commit.
         storage_options: fsspec/s3fs options (credentials, endpoint, retries) when ``log``
             is a URI; default: the standard AWS environment and config files.
+        on_error: ``"raise"`` (default): an exception raised by the dataset stops the
+            run, as in torch. ``"skip"``: a sample whose loading raises is left out of
+            its batch (which is then shorter) and logged as an ``error`` event with the
+            exception's type and message (``ledger audit`` lists them). The same samples
+            fail on every run, resume and ``ledger show --materialize``, since loading
+            is a function of the dataset and the seeds (:func:`ledger.fetch.fetch_samples`).
+            A batch whose every sample fails raises :class:`ledger.errors.SampleError`.
+            Map-style datasets only: a :class:`~ledger.stream.Stream` refuses ``"skip"``.
 
     Raises:
         UnsupportedArgument: (a ``ValueError``) for an argument ledger cannot honour
             exactly; the message says what to pass instead.
-        ValueError: if ``rng`` is unknown, or an epoch would hold no batch.
+        ValueError: if ``rng`` or ``on_error`` is unknown, or an epoch would hold no batch.
 
     Note:
         Use it as a context manager, or call :meth:`close`, in long-lived processes
@@ -208,6 +216,7 @@ class DataLoader:
         world_size: int | None = None,
         storage_options: dict[str, Any] | None = None,
         verify_data: bool = False,
+        on_error: str = "raise",
     ) -> None:
         self._verify_data = verify_data
         self._collate_fn = collate_fn
@@ -286,6 +295,7 @@ class DataLoader:
                 persistent_workers=persistent_workers,
                 torch_kwargs=torch_kwargs,
                 store=self._ledger.store,
+                on_error=check_on_error(on_error),
             ),
         )
         self._state = self._pipeline.initial_state()
@@ -455,7 +465,68 @@ class DataLoader:
             "step": head.step if head else 0,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any], *, new_phase: bool = False) -> None:
+    def skip(self, batches: int, *, reason: str) -> None:
+        """Skip this rank's next ``batches`` batches on purpose, on the record.
+
+        For loss-spike recovery as in PaLM (Chowdhery et al. 2022, section 5.1: restart
+        from a checkpoint about 100 steps before the spike and skip about 200-500
+        batches): resume from an older checkpoint, then skip the batches that preceded
+        the spike. They are logged as ``rollback`` events (the skipped positions, with
+        JSON ``{"reason": reason}`` in ``value``) and become part of the committed
+        history with the next commit, so every later resume continues after them;
+        ``ledger audit`` and ``ledger report`` list them and ``ledger show`` names the
+        reason.
+
+        A skipped batch keeps its batch index (``ledger show --batch`` and the token's
+        ``step`` count it): batch ``k`` of the log is the ``k``-th batch of the data order,
+        served or skipped, so a loop that counts optimizer steps counts ``batches``
+        fewer. Map-style datasets skip without reading data (a batch whose loading fails
+        can be skipped). Under ``torch.distributed`` call it on every rank with the same
+        arguments: each rank skips its own next ``batches`` batches.
+
+        Args:
+            batches: how many batches to skip (>= 1). To skip a range of steps
+                ``[a, b)`` with ``a`` ahead of the current batch index, iterate up to
+                ``a`` and call ``skip(b - a, ...)`` there.
+            reason: why, for the record (e.g. ``"loss spike at step 41230"``).
+
+        Raises:
+            ValueError: if ``batches < 1`` or ``reason`` is empty.
+            UnsupportedArgument: for a :class:`~ledger.stream.Stream` (not supported yet).
+
+        Note:
+            A live iterator of the loader is invalidated (its next ``next()`` raises
+            ``LedgerError``): iterate the loader again. Nothing is committed until the
+            next :meth:`state_dict`; a crash before it loses the skip with the batches
+            of the journal.
+        """
+        self._check_open()
+        if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
+            raise ValueError(f"skip() takes a number of batches >= 1, got {batches!r}")
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError("skip() needs a reason for the record, e.g. reason='loss spike'")
+        self._ensure_started()
+        before = self._state
+        state, events = self._pipeline.skip(before, batches, reason)
+        self._generation += 1  # prefetched batches of a live iterator are the skipped ones
+        self._iter_epoch = None
+        for chunk in events:
+            self._ledger.append(chunk)
+        self._state = state
+        logger.info(
+            "rank %d skipped batches %d..%d (epoch %d batch %d -> epoch %d batch %d): %s",
+            self._rank, before.batch, state.batch - 1, before.epoch, before.epoch_batch,
+            state.epoch, state.epoch_batch, reason,
+        )  # fmt: skip
+
+    def load_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        *,
+        new_phase: bool = False,
+        skip_batches: int = 0,
+        reason: str = "",
+    ) -> None:
         """Resume from a token returned by :meth:`state_dict`, by replaying the log.
 
         The next batch is exactly the one the uninterrupted run would have produced
@@ -471,6 +542,9 @@ class DataLoader:
                 positions from where the ranks reached are mixed with the new weights
                 (whose schedule counts from the phase's start). Later resumes of the
                 phase need the same configuration; audits read each phase's targets.
+            skip_batches: then skip this many batches on the record (:meth:`skip`, for
+                loss-spike recovery); 0: none.
+            reason: why they are skipped (required with ``skip_batches``).
 
         Raises:
             TokenError: if the token is malformed or of another version.
@@ -485,6 +559,10 @@ class DataLoader:
                 loader would not continue it exactly.
         """
         self._check_open()
+        if skip_batches and (not isinstance(reason, str) or not reason.strip()):
+            raise ValueError("load_state_dict(skip_batches=...) needs a reason for the record")
+        if not isinstance(skip_batches, int) or isinstance(skip_batches, bool) or skip_batches < 0:
+            raise ValueError(f"skip_batches must be an int >= 0, got {skip_batches!r}")
         token = _check_token(state_dict)
         moved = _normal_root(token["root"]) != self._ledger.root
         self._check_run(token, moved)
@@ -546,6 +624,8 @@ class DataLoader:
         self._iter_epoch = None
         if self._ledger.attempt is not None:
             self._start_attempt()
+        if skip_batches:
+            self.skip(skip_batches, reason=reason)
 
     def _phase(
         self, token: dict[str, Any], moved: bool, logged: dict[str, Any], new_phase: bool

@@ -19,6 +19,7 @@ How a batch flows:
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -30,12 +31,12 @@ import torch.utils.data as tud
 
 from ledger.commits import Commit, PipelineState
 from ledger.digest import digest_bytes
-from ledger.errors import LedgerError
-from ledger.fetch import RngMode, fetch_batch
+from ledger.errors import LedgerError, SampleError
+from ledger.fetch import Failure, RngMode, fetch_samples
 from ledger.order import BatchPlan, EpochOrder
 from ledger.pipeline import LoaderSettings, refuse_phase
 from ledger.replay import advance, replay, resume_elastic
-from ledger.schema import ORDER_ALGORITHM, SAMPLE, SKIP, EventChunk
+from ledger.schema import ERROR, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SKIP, EventChunk
 from ledger.store import Store
 
 _CHUNK_POSITIONS = 1 << 14  # positions whose ids are computed in one vectorised call
@@ -56,12 +57,14 @@ class _Request:
 
 
 class _Fetch(tud.Dataset[Any]):
-    """Wraps the user's dataset: fetches a batch request with the run's RNG mode."""
+    """Wraps the user's dataset: fetches a batch request with the run's RNG mode, leaving
+    out (``on_error="skip"``) the samples whose loading raises."""
 
-    def __init__(self, dataset: MapDataset, seed: int, rng: RngMode) -> None:
+    def __init__(self, dataset: MapDataset, seed: int, rng: RngMode, skip_errors: bool) -> None:
         self.dataset = dataset
         self.seed = seed
         self.rng = rng
+        self.skip_errors = skip_errors
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -71,7 +74,7 @@ class _Fetch(tud.Dataset[Any]):
 
     def __getitems__(self, request: tuple[int, int, int, int, np.ndarray]) -> tuple[tuple, list]:
         epoch, epoch_batch, batch, position, ids = request
-        samples = fetch_batch(
+        samples, failures = fetch_samples(
             self.dataset,
             ids,
             seed=self.seed,
@@ -79,8 +82,37 @@ class _Fetch(tud.Dataset[Any]):
             position=position,
             rng=self.rng,
             main_process=tud.get_worker_info() is None,
+            skip_errors=self.skip_errors,
         )
-        return (epoch, epoch_batch, batch), samples
+        if failures and not samples:
+            first = failures[0]
+            raise SampleError(
+                f"every sample of batch {batch} (epoch {epoch}, samples {ids.tolist()[:8]}) "
+                f"failed to load; the first raised {first.type}: {first.message}. Fix the "
+                "dataset, or resume and skip the batch with loader.skip(1, reason=...)"
+            )
+        return (epoch, epoch_batch, batch, tuple(failures)), samples
+
+
+def _without_failures(
+    req: _Request, worker: int, digest: bytes | None, failures: tuple[Failure, ...]
+) -> list[EventChunk]:
+    """A batch's events when some of its samples failed to load: ``sample`` events for
+    the others (at their own positions) and one ``error`` event per failure."""
+    bad = np.array([f.index for f in failures], np.int64)
+    keep = np.ones(req.sample_ids.shape[0], np.bool_)
+    keep[bad] = False
+    positions = np.arange(req.position, req.position + keep.size, dtype=np.int64)
+    return [
+        EventChunk(
+            SAMPLE, req.epoch, req.batch, worker, int(positions[keep][0]),
+            req.sample_ids[keep], positions=positions[keep], digest=digest,
+        ),
+        EventChunk(
+            ERROR, req.epoch, req.batch, worker, int(positions[bad][0]), req.sample_ids[bad],
+            positions=positions[bad], values=[f.value() for f in failures],
+        ),
+    ]  # fmt: skip
 
 
 class _TagCollate:
@@ -91,7 +123,7 @@ class _TagCollate:
         self.collate_fn = collate_fn
         self.digest = digest
 
-    def __call__(self, fetched: tuple[tuple[int, int, int], list[Any]]) -> tuple[tuple, Any]:
+    def __call__(self, fetched: tuple[tuple[Any, ...], list[Any]]) -> tuple[tuple, Any]:
         meta, samples = fetched
         info = tud.get_worker_info()
         batch = self.collate_fn(samples)
@@ -185,7 +217,7 @@ class MapPipeline:
         self.inflight: deque[_Request] = deque()
         self._orders: dict[int, EpochOrder] = {}
         self.torch_loader = tud.DataLoader(
-            _Fetch(dataset, settings.seed, settings.rng),
+            _Fetch(dataset, settings.seed, settings.rng, settings.on_error == "skip"),
             batch_sampler=_Requests(self),  # type: ignore[arg-type]  # yields requests
             num_workers=settings.num_workers,
             collate_fn=_TagCollate(settings.collate_fn, settings.digest),  # type: ignore[arg-type]
@@ -235,23 +267,52 @@ class MapPipeline:
         return self.torch_loader
 
     def record(self, state: PipelineState, tag: Any) -> tuple[PipelineState, list[EventChunk]]:
-        epoch, _, batch, worker, digest = tag
+        epoch, _, batch, failures, worker, digest = tag
         req = self.inflight.popleft()
         if req.batch != batch or req.epoch != epoch:
             raise LedgerError(
                 f"batch {batch} arrived where batch {req.batch} was expected: "
                 "batches must be delivered in order"
             )
-        events = [
-            EventChunk(
-                SAMPLE, req.epoch, req.batch, worker, req.position, req.sample_ids, digest=digest
-            )
-        ]
+        if failures:
+            events = _without_failures(req, worker, digest, failures)
+        else:
+            events = [
+                EventChunk(
+                    SAMPLE, req.epoch, req.batch, worker, req.position, req.sample_ids,
+                    digest=digest,
+                )
+            ]  # fmt: skip
         plan = self.plan if state.epoch_start == 0 else self.plan_at(state)
         state = advance(state, plan)
         if state.epoch != req.epoch and plan.rank == 0 and plan.consumed_per_epoch < plan.n:
             tail = self.order(req.epoch).range(plan.consumed_per_epoch, plan.n)
             events.append(EventChunk(SKIP, req.epoch, req.batch, -1, plan.consumed_per_epoch, tail))
+        return state, events
+
+    def skip(
+        self, state: PipelineState, batches: int, reason: str
+    ) -> tuple[PipelineState, list[EventChunk]]:
+        # Zero I/O: the skipped batches' ids are the order's, nothing is fetched (so a
+        # batch whose loading fails can be skipped too).
+        value = json.dumps({"reason": reason})
+        events: list[EventChunk] = []
+        for _ in range(batches):
+            plan = self.plan_at(state)
+            lo, hi = plan.batch_bounds(state.epoch_batch)
+            ids = self.order(state.epoch).range(lo, hi)
+            events.append(
+                EventChunk(
+                    ROLLBACK, state.epoch, state.batch, -1, lo, ids, values=[value] * (hi - lo)
+                )
+            )
+            after = advance(state, plan)
+            if after.epoch != state.epoch and plan.rank == 0 and plan.consumed_per_epoch < plan.n:
+                tail = self.order(state.epoch).range(plan.consumed_per_epoch, plan.n)
+                events.append(
+                    EventChunk(SKIP, state.epoch, state.batch, -1, plan.consumed_per_epoch, tail)
+                )
+            state = after
         return state, events
 
     def finish(self, state: PipelineState, start_epoch: int) -> None:

@@ -416,6 +416,12 @@ class MixturePipeline(MapPipeline):
         state, events = super().record(state, tag)
         return state, [self._named(c) for c in events]
 
+    def skip(
+        self, state: PipelineState, batches: int, reason: str
+    ) -> tuple[PipelineState, list[EventChunk]]:
+        state, events = super().skip(state, batches, reason)
+        return state, [self._named(c) for c in events]
+
     def _named(self, chunk: EventChunk) -> EventChunk:
         """The chunk with per-source ids and its ``source`` codes."""
         codes, ids = self.mixture.split(chunk.sample_ids)
@@ -426,6 +432,8 @@ class MixturePipeline(MapPipeline):
             chunk.worker,
             chunk.position,
             ids,
+            positions=chunk.positions,  # bad samples leave gaps (on_error="skip")
+            values=chunk.values,  # an error's exception, a rollback's reason
             digest=chunk.digest,
             sources=codes,
             source_names=self.mixture.names,

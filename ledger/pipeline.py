@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ledger.commits import Commit, PipelineState
-from ledger.fetch import RngMode
+from ledger.fetch import OnError, RngMode
 from ledger.schema import EventChunk
 from ledger.store import Store
 
@@ -45,6 +45,8 @@ class LoaderSettings:
         persistent_workers: keep torch's workers between epochs.
         torch_kwargs: the other ``torch.utils.data.DataLoader`` arguments.
         store: the log root.
+        on_error: ``"raise"`` or ``"skip"`` (leave out a sample whose loading raises,
+            and log it as an ``error`` event).
     """
 
     seed: int
@@ -60,6 +62,7 @@ class LoaderSettings:
     persistent_workers: bool
     torch_kwargs: dict[str, Any]
     store: Store
+    on_error: OnError = "raise"
 
 
 class Pipeline(Protocol):
@@ -116,6 +119,17 @@ class Pipeline(Protocol):
 
         Raises:
             LedgerError: if the batch is not the one the pipeline predicts.
+        """
+        ...
+
+    def skip(
+        self, state: PipelineState, batches: int, reason: str
+    ) -> tuple[PipelineState, list[EventChunk]]:
+        """Skip the next ``batches`` batches on purpose: the state after them, and their
+        ``rollback`` events (JSON ``{"reason": reason}`` in ``value``).
+
+        Raises:
+            UnsupportedArgument: if the pipeline cannot skip without serving.
         """
         ...
 

@@ -36,7 +36,7 @@ from ledger.commits import (
 )
 from ledger.errors import LogCorrupted, ResumeMismatch
 from ledger.order import BatchPlan
-from ledger.schema import BUFFER, SAMPLE, SKIP, EventChunk
+from ledger.schema import BUFFER, ERROR, ROLLBACK, SAMPLE, SKIP, EventChunk
 from ledger.store import Store
 
 if TYPE_CHECKING:
@@ -56,7 +56,9 @@ def _sample_ids(rows: pa.Table) -> np.ndarray:
 
 
 def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
-    """The ``sample`` events of the last batch of a segment, reading only its tail.
+    """The positions the last batch of a segment took, reading only its tail: its
+    ``sample`` events and its ``error`` events (samples left out, ``on_error="skip"``),
+    or the ``rollback`` events of a batch skipped on purpose; by position.
 
     Batch indexes never decrease within a segment, so row groups are read from the end
     while they may hold the last batch: the ``batch`` column's statistics (in the footer)
@@ -96,7 +98,8 @@ def _final_batch_rows(pf: pq.ParquetFile, ref: SegmentRef) -> pa.Table:
         raise LogCorrupted(f"segment {ref.path} holds no events")
     table = pa.concat_tables(groups)
     table = table.filter(pc.equal(table["batch"], last))
-    table = table.filter(pc.equal(table["kind"].cast(pa.string()), SAMPLE))
+    took = pc.is_in(table["kind"].cast(pa.string()), pa.array([SAMPLE, ERROR, ROLLBACK]))
+    table = table.filter(took).sort_by("position")
     if table.num_rows == 0:
         raise LogCorrupted(f"segment {ref.path} ends with batch {last} but holds no sample of it")
     return table

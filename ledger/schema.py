@@ -35,13 +35,19 @@ SAMPLE = "sample"
 """A sample in a batch handed to the training loop."""
 SKIP = "skip"
 """A position of the epoch that no batch will serve (the tail dropped by ``drop_last``)."""
+ROLLBACK = "rollback"
+"""A position of a batch skipped on purpose (:meth:`ledger.DataLoader.skip`, loss-spike
+recovery): the model never saw it. ``value`` is JSON ``{"reason": ...}``."""
 SPAN = "span"
 """Tokens ``[token_start, token_end)`` of a sample, packed into a sequence of a batch."""
 BUFFER = "buffer"
 """A sample held in a shuffle buffer at a commit (``position`` is its slot)."""
 BATCH = "batch"
 """A batch handed to the training loop: ``digest`` is its content digest, no sample."""
-KINDS = [SAMPLE, SKIP, SPAN, BUFFER, BATCH]
+ERROR = "error"
+"""A sample whose loading raised, left out of its batch (``on_error="skip"``): ``value`` is
+JSON ``{"type": ..., "message": ...}`` of the exception."""
+KINDS = [SAMPLE, SKIP, SPAN, BUFFER, BATCH, ERROR, ROLLBACK]
 
 EVENT_SCHEMA = pa.schema(
     [
@@ -75,7 +81,11 @@ EVENT_SCHEMA = pa.schema(
 - ``position`` int64: index in the epoch's global order (``buffer`` events: the slot).
 - ``sample_id`` int64: stable id of the sample (map-style: the dataset index; streams:
   the global row number over the sorted file list); ``-1`` for ``batch`` events.
-- ``kind`` string (dictionary-encoded): ``'sample'``, ``'skip'``, ``'span'`` (tokens
+- ``kind`` string (dictionary-encoded): ``'sample'``, ``'skip'`` (a position of
+  ``drop_last``'s tail), ``'rollback'`` (a position of a batch skipped on purpose, the
+  skip events of loss-spike recovery: ``value`` = JSON ``{"reason": ...}``), ``'error'``
+  (a sample whose loading raised, left out of its batch: ``value`` = JSON
+  ``{"type": ..., "message": ...}``), ``'span'`` (tokens
   ``[token_start, token_end)`` of a sample packed into a sequence of the batch),
   ``'buffer'`` (a sample in a shuffle buffer at the commit) or ``'batch'`` (one per
   batch, after its samples: ``digest`` is the batch's content digest,
@@ -83,7 +93,8 @@ EVENT_SCHEMA = pa.schema(
 - ``token_start``, ``token_end`` int64: the span's tokens (``span`` only, else null).
 - ``length`` int64: the sample's length in tokens, EOS included (``span`` only).
 - ``value`` string: JSON of the draws the transform recorded with ``ctx.record``, on the
-  event that first consumed the sample (else null). Always JSON or null.
+  event that first consumed the sample; for ``error`` and ``rollback`` events, what
+  happened (else null). Always JSON or null.
 - ``digest`` fixed-size binary (32 bytes): the batch's content digest (``batch`` events
   only, else null). Logs written before this column existed lack it (Arrow readers fill
   nulls) and hold the digest as 64 hex characters in ``value`` instead.
@@ -108,7 +119,8 @@ class EventChunk:
     """Events of one batch (or one skipped tail, or one buffer snapshot), one kind.
 
     Attributes:
-        kind: ``SAMPLE``, ``SKIP``, ``SPAN``, ``BUFFER`` or ``BATCH``.
+        kind: ``SAMPLE``, ``SKIP``, ``SPAN``, ``BUFFER``, ``BATCH``, ``ERROR`` or
+            ``ROLLBACK``.
         epoch: epoch of every event.
         batch: per-rank batch index of every event.
         worker: worker id (``-1``: main process).

@@ -79,7 +79,9 @@ def check(
       of the dataset, consumed or skipped.
     - ``duplicates``: no sample is consumed twice in one epoch.
     - ``skips``: only ``drop_last`` skips samples, fewer than one global batch per epoch
-      (``world_size * batch_size``), and never a sample it also consumed.
+      (``world_size * batch_size``), and never a sample it also consumed. Batches
+      skipped on purpose (``rollback`` events) and bad samples (``error`` events) are on
+      the record and named in the detail, not failed.
     - ``abandoned``: no sample was seen by a model that is not in the lineage: no commit
       off the lineage holds samples, no journal holds uncommitted batches, no orphan
       segment exists. Fails after any resume from an older checkpoint than the last
@@ -203,7 +205,15 @@ def _skips(s: Summary, config: dict) -> CheckResult:
         ]
         return CheckResult("skips", False, "; ".join(parts))
     total = sum(e.skipped for e in s.epochs)
-    return CheckResult("skips", True, f"{total} samples skipped, at most {limit} per epoch")
+    detail = f"{total} samples skipped by drop_last, at most {limit} per epoch"
+    if s.skipped_batches:  # on purpose, on the record: listed, not failed
+        batches = sum(r.last - r.first + 1 for r in s.skipped_batches)
+        reasons = "; ".join(dict.fromkeys(r.reason for r in s.skipped_batches))
+        detail += f"; {batches} batches skipped on purpose ({reasons})"
+    errors = sum(e.errors for e in s.epochs)
+    if errors:
+        detail += f"; {errors} bad samples left out (see the summary)"
+    return CheckResult("skips", True, detail)
 
 
 def _abandoned(store: Store, s: Summary, allow_uncommitted: int = 0) -> CheckResult:

@@ -6,6 +6,7 @@ segment) rather than through SQL, whose result order is only what ``ORDER BY`` s
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,7 +32,7 @@ from ledger.commits import (
     read_run,
 )
 from ledger.errors import CommitNotFound, LedgerError
-from ledger.schema import BATCH, EVENT_SCHEMA, SAMPLE, SPAN
+from ledger.schema import BATCH, ERROR, EVENT_SCHEMA, ROLLBACK, SAMPLE, SPAN
 from ledger.store import Store
 
 CONSUMED_KINDS = (SAMPLE, SPAN)
@@ -165,6 +166,14 @@ def _consumptions(store: Store, con: Any, sample_id: int) -> list[tuple[Any, ...
     return found
 
 
+def skip_reason(value: str | None) -> str:
+    """The reason in a ``rollback`` event's ``value`` (JSON ``{"reason": ...}``)."""
+    try:
+        return str(json.loads(value or "{}").get("reason", ""))
+    except (ValueError, AttributeError):
+        return str(value)
+
+
 @dataclass(frozen=True, slots=True)
 class BatchRecord:
     """One batch of one rank in the lineage, as logged.
@@ -179,6 +188,11 @@ class BatchRecord:
             :data:`ledger.schema.EVENT_SCHEMA`.
         digest: the content digest recorded when the training loop received the batch
             (``None`` if the loader ran with ``digest=False``).
+        errors: its ``'error'`` events: samples left out because loading them raised
+            (``on_error="skip"``), with the exception as JSON in ``value``; by position.
+        skip_reason: the reason the batch was skipped on purpose
+            (:meth:`ledger.DataLoader.skip`), or ``None``. A skipped batch has no
+            ``events``: the model never saw it.
     """
 
     rank: int
@@ -188,6 +202,8 @@ class BatchRecord:
     commit_id: str
     events: pa.Table
     digest: str | None
+    errors: pa.Table | None = None
+    skip_reason: str | None = None
 
     @property
     def sample_ids(self) -> np.ndarray:
@@ -240,17 +256,22 @@ def show(root: str, batch: int, rank: int = 0, head: str | None = None) -> Batch
             table = table.filter(pc.equal(table["batch"], batch))
             kinds = table["kind"].cast(pa.string())
             events = table.filter(pc.is_in(kinds, pa.array(CONSUMED_KINDS)))
-            if events.num_rows == 0:
+            errors = table.filter(pc.equal(kinds, ERROR)).sort_by("position")
+            skipped = table.filter(pc.equal(kinds, ROLLBACK))
+            first = events if events.num_rows else errors if errors.num_rows else skipped
+            if first.num_rows == 0:
                 continue
             digests = _digests(table.filter(pc.equal(kinds, BATCH)))
             return BatchRecord(
                 rank=rank,
                 batch=batch,
-                epoch=int(events["epoch"][0].as_py()),
-                worker=int(events["worker"][0].as_py()),
+                epoch=int(first["epoch"][0].as_py()),
+                worker=int(first["worker"][0].as_py()),
                 commit_id=commit.id,
                 events=events,
                 digest=digests[0] if digests else None,
+                errors=errors if errors.num_rows else None,
+                skip_reason=skip_reason(skipped["value"][0].as_py()) if skipped.num_rows else None,
             )
     raise CommitNotFound(
         f"the lineage of {head or 'the default head'} in {store.uri} holds no batch {batch} "
@@ -422,7 +443,7 @@ def materialize(
     import torch.utils.data as tud
 
     from ledger.digest import batch_digest
-    from ledger.fetch import fetch_batch, rng_of
+    from ledger.fetch import fetch_samples, rng_of
     from ledger.mixture import Mixture
     from ledger.stream.sample import rebuild_batch
     from ledger.stream.spec import Stream
@@ -432,6 +453,11 @@ def materialize(
     collate = collate_fn or tud.default_collate
     seed = int(config["seed"])
     rng = rng_of(config)
+    if record.skip_reason is not None:
+        raise LedgerError(
+            f"batch {batch} of rank {rank} was skipped ({record.skip_reason}): the model "
+            "never saw it, there is nothing to re-create"
+        )
     if isinstance(dataset, Stream):
         data = rebuild_batch(dataset, seed, record.epoch, record.events, rng == "sample", collate)
     else:
@@ -440,19 +466,24 @@ def materialize(
                 f"the dataset has {len(dataset)} samples, the run's had "
                 f"{config['dataset_len']}: pass the dataset the run trained on"
             )
-        position = int(record.events["position"][0].as_py())
-        ids = record.sample_ids
+        # The batch as requested: with the samples that failed to load, which are tried
+        # again (their draws came before their batch-mates').
+        columns = ["position", "sample_id"] + (["source"] if isinstance(dataset, Mixture) else [])
+        asked = record.events.select(columns)
+        if record.errors is not None:
+            asked = pa.concat_tables([asked, record.errors.select(columns)]).sort_by("position")
+        ids = np.asarray(asked["sample_id"].to_numpy(), np.int64)
         if isinstance(dataset, Mixture):  # the log holds ids in their sources
-            names = record.events["source"].cast(pa.string()).to_pylist()
-            ids = dataset.join(names, ids)
-        samples = fetch_batch(
+            ids = dataset.join(asked["source"].cast(pa.string()).to_pylist(), ids)
+        samples, _ = fetch_samples(
             dataset,
             ids,
             seed=seed,
             epoch=record.epoch,
-            position=position,
+            position=int(asked["position"][0].as_py()),
             rng=rng,
             main_process=True,
+            skip_errors=record.errors is not None,
         )
         data = collate(samples)
     digest = batch_digest(data)

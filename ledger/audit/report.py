@@ -669,6 +669,46 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], bad: Sequence[
     )
 
 
+def _operations(s: Summary) -> str:
+    """The section on batches skipped on purpose and bad samples ("" when none)."""
+    bad = sum(e.errors for e in s.epochs)
+    if not s.skipped_batches and not bad:
+        return ""
+    parts = []
+    if s.skipped_batches:
+        parts.append("<h3>Batches skipped on purpose</h3>")
+        parts.append(
+            _table(
+                ["rank", "first batch", "last batch", "samples", "attempt", "reason"],
+                [(r.rank, r.first, r.last, r.samples, r.attempt, r.reason)
+                 for r in s.skipped_batches],
+            )
+        )  # fmt: skip
+    if bad:
+        shown = len(s.bad_samples)
+        parts.append(f"<h3>Bad samples ({bad:,}{f', first {shown}' if bad > shown else ''})</h3>")
+        parts.append(
+            _table(
+                ["rank", "epoch", "batch", "position", "sample", "error"],
+                [(b.rank, b.epoch, b.batch, b.position, b.sample_id, f"{b.type}: {b.message}")
+                 for b in s.bad_samples],
+                [True] * shown,
+            )
+        )  # fmt: skip
+    parts.append(
+        _note(
+            "Batches skipped with <code>loader.skip()</code> or <code>load_state_dict(..., "
+            "skip_batches=)</code> (e.g. after a loss spike): the model never saw them; they "
+            "keep their batch indices, and every later resume continues after them. Bad "
+            'samples: loading them raised under <code>on_error="skip"</code>, so each was '
+            "left out of its batch. Both count as accounted for in the epochs' coverage. "
+            "All of them: <code>SELECT * FROM lineage WHERE kind IN ('rollback', "
+            "'error')</code>."
+        )
+    )
+    return _section("Skipped batches and bad samples", *parts)
+
+
 def _section(title: str, *parts: str) -> str:
     return f"<section><h2>{_e(title)}</h2>\n" + "\n".join(parts) + "</section>\n"
 
@@ -840,6 +880,7 @@ def _page(root: str, s: Summary, con: duckdb.DuckDBPyConnection) -> str:
         if tokens
         else ""
     )  # fmt: skip
+    operations_part = _operations(s)
     ranks_table = _table(
         ["rank", "epoch", "epoch batch", "batches", "samples", "behind"],
         [(r.rank, r.epoch, r.epoch_batch, r.batch, r.samples, r.behind) for r in s.ranks],
@@ -896,6 +937,7 @@ def _page(root: str, s: Summary, con: duckdb.DuckDBPyConnection) -> str:
             ),
         ),
         tokens_part,
+        operations_part,
         _section(
             "Coverage per epoch",
             f'<div class="plot">{_coverage_plot(curves, n, {e.epoch for e in short})}</div>',

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from ledger.commits import Commit, SegmentRef
 from ledger.compaction import Piece, list_compactions, pieces
 from ledger.errors import LogCorrupted
-from ledger.schema import EVENT_COLUMN_SETS, EVENT_SCHEMA, SAMPLE, SKIP, SPAN
+from ledger.schema import ERROR, EVENT_COLUMN_SETS, EVENT_SCHEMA, ROLLBACK, SAMPLE, SKIP, SPAN
 from ledger.segments import open_segment
 from ledger.store import Store, sha256
 
@@ -46,8 +46,10 @@ class EpochCounts:
         samples: consumed events (``'sample'`` events and first spans of packed samples).
         distinct: distinct sample ids among them.
         skipped: ``'skip'`` events.
-        skipped_distinct: distinct ids among them.
-        covered: distinct ids consumed or skipped.
+        skipped_distinct: distinct ids among them, bad samples and rolled-back ones.
+        covered: distinct ids consumed, skipped, bad or rolled back.
+        errors: ``'error'`` events: bad samples left out of their batch.
+        rolled_back: ``'rollback'`` events: samples of batches skipped on purpose.
     """
 
     epoch: int
@@ -56,6 +58,8 @@ class EpochCounts:
     skipped: int = 0
     skipped_distinct: int = 0
     covered: int = 0
+    errors: int = 0
+    rolled_back: int = 0
 
     @property
     def duplicates(self) -> int:
@@ -156,18 +160,26 @@ class _Ids:
 
 def _consumed(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
     """Masks of a batch's consumed and skipped rows (``bool (rows,)`` each)."""
+    consumed, skipped, _, _ = _kinds(batch)
+    return consumed, skipped
+
+
+def _kinds(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Masks of a batch's consumed, skipped, bad (``error``) and rolled-back rows."""
     kind = batch.column("kind")
     names = kind.dictionary.to_pylist()
     idx = kind.indices.to_numpy(zero_copy_only=False)
     none = np.zeros(len(idx), np.bool_)
     consumed = idx == names.index(SAMPLE) if SAMPLE in names else none
     skipped = idx == names.index(SKIP) if SKIP in names else none
+    errors = idx == names.index(ERROR) if ERROR in names else none
+    rolled = idx == names.index(ROLLBACK) if ROLLBACK in names else none
     if SPAN in names and "token_start" in batch.schema.names:
         span = idx == names.index(SPAN)
         if span.any():
             start = batch.column("token_start").fill_null(-1).to_numpy(zero_copy_only=False)
             consumed = consumed | (span & (start == 0))
-    return consumed, skipped
+    return consumed, skipped, errors, rolled
 
 
 def scan(
@@ -293,13 +305,16 @@ class _Counter:
         job = np.repeat(index, counts)  # the job (segment) of each row
         self.events[index] += counts  # a job is in one unit: no index repeats
         batch = table.to_batches()[0]
-        consumed, skipped = _consumed(batch)
+        consumed, skipped, errors, rolled = _kinds(batch)
         if not self.jobs[int(index[0])][1]:  # abandoned branches: per-segment counts only
             self.samples += np.bincount(job[consumed], minlength=len(self.jobs))
             return
         epoch = batch.column("epoch").to_numpy()
         ids = batch.column(self.key).to_numpy()
-        either = consumed | skipped
+        # Bad samples and rolled-back batches are accounted for in their epoch (never
+        # consumed): they count towards coverage with the skipped positions.
+        left_out = errors | rolled
+        either = consumed | skipped | left_out
         outside = either & ((ids < 0) | (ids >= self.dataset_len))
         if self.error:
             return
@@ -327,6 +342,10 @@ class _Counter:
             counted.skipped += dropped.size
             seen.add(used, "")
             skips.add(dropped, "")
+            if left_out.any():
+                counted.errors += int(np.count_nonzero(errors & mine))
+                counted.rolled_back += int(np.count_nonzero(rolled & mine))
+                skips.add(ids[left_out & mine], "")
             if used.size:
                 top = int(position[consumed & mine].max())
                 self.last_positions[e] = max(self.last_positions.get(e, top), top)
@@ -347,7 +366,11 @@ class _Counter:
             self.epochs[e].distinct = seen.count()
             self.epochs[e].skipped_distinct = skips.count()
             self.epochs[e].covered = seen.union_count(skips)
-        result.epochs = {e: c for e, c in sorted(self.epochs.items()) if c.samples or c.skipped}
+        result.epochs = {
+            e: c
+            for e, c in sorted(self.epochs.items())
+            if c.samples or c.skipped or c.errors or c.rolled_back
+        }
         result.last_positions = {e: p for e, p in self.last_positions.items() if e in result.epochs}
         return result
 

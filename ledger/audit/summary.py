@@ -58,8 +58,12 @@ class EpochSummary:
         duplicates: ``samples - distinct``: consumptions of an id already seen that epoch.
         skipped: ``'skip'`` events: positions dropped by ``drop_last``.
         skipped_distinct: distinct ids among them.
-        covered: distinct ids consumed or skipped (the epoch is complete when it equals
-            the dataset length).
+        covered: distinct ids consumed, skipped, bad or rolled back (the epoch is
+            complete when it equals the dataset length).
+        errors: ``'error'`` events: bad samples left out of their batch
+            (``on_error="skip"``).
+        rolled_back: ``'rollback'`` events: samples of batches skipped on purpose
+            (:meth:`ledger.DataLoader.skip`).
     """
 
     epoch: int
@@ -70,6 +74,47 @@ class EpochSummary:
     skipped: int
     skipped_distinct: int = 0
     covered: int = 0
+    errors: int = 0
+    rolled_back: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BadSample:
+    """A sample whose loading raised, left out of its batch (an ``'error'`` event).
+
+    Attributes:
+        rank, epoch, batch, position, sample_id: where it was left out.
+        type: the exception's type.
+        message: the exception's message.
+    """
+
+    rank: int
+    epoch: int
+    batch: int
+    position: int
+    sample_id: int
+    type: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedBatches:
+    """A run of batches of one rank skipped on purpose (``'rollback'`` events).
+
+    Attributes:
+        rank: the rank.
+        first, last: the first and last batch index skipped (inclusive).
+        samples: samples in those batches (the model never saw them).
+        reason: the reason given to :meth:`ledger.DataLoader.skip`.
+        attempt: the attempt that skipped them.
+    """
+
+    rank: int
+    first: int
+    last: int
+    samples: int
+    reason: str
+    attempt: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +185,10 @@ class Summary:
             when the lineage has no commit with more than one rank.
         unreadable_journal_records: damaged journal records skipped (checksum or
             fields wrong); what they held is missing from the uncommitted counts.
+        bad_samples: the first :data:`LISTED` bad samples of the lineage (``'error'``
+            events), by epoch, batch and position; their number is the sum of the
+            epochs' ``errors``.
+        skipped_batches: every run of batches skipped on purpose in the lineage.
     """
 
     run_id: str
@@ -154,6 +203,12 @@ class Summary:
     ranks: tuple[RankSummary, ...] = ()
     skew: Skew | None = None
     unreadable_journal_records: int = 0
+    bad_samples: tuple[BadSample, ...] = ()
+    skipped_batches: tuple[SkippedBatches, ...] = ()
+
+
+LISTED = 20
+"""Bad samples a summary lists (the SQL view ``lineage`` holds them all)."""
 
 
 def finished_epochs(s: Summary) -> int:
@@ -317,6 +372,8 @@ def _summarize(con: duckdb.DuckDBPyConnection, store: Store, progress: Progress 
                 skipped=c.skipped,
                 skipped_distinct=c.skipped_distinct,
                 covered=c.covered,
+                errors=c.errors,
+                rolled_back=c.rolled_back,
             )
             for c in epochs
         ),
@@ -328,7 +385,43 @@ def _summarize(con: duckdb.DuckDBPyConnection, store: Store, progress: Progress 
         unreadable_journal_records=int(
             _one(con, "SELECT coalesce(sum(unreadable), 0) FROM journals")[0]
         ),
+        # Read only when the scan counted some: a run without them pays nothing.
+        bad_samples=_bad_samples(con) if any(c.errors for c in epochs) else (),
+        skipped_batches=_skipped(con) if any(c.rolled_back for c in epochs) else (),
     )
+
+
+def _bad_samples(con: duckdb.DuckDBPyConnection) -> tuple[BadSample, ...]:
+    rows = con.execute(
+        f"""
+        SELECT rank, epoch, batch, position, sample_id,
+               coalesce(json_extract_string(value, '$.type'), ''),
+               coalesce(json_extract_string(value, '$.message'), '')
+        FROM lineage WHERE kind = 'error' ORDER BY epoch, batch, rank, position LIMIT {LISTED}
+        """
+    ).fetchall()
+    return tuple(BadSample(*r) for r in rows)
+
+
+def _skipped(con: duckdb.DuckDBPyConnection) -> tuple[SkippedBatches, ...]:
+    # Consecutive batches of a rank with one reason and attempt form one run
+    # (gaps-and-islands: batch minus its rank within the group is constant on a run).
+    rows = con.execute(
+        """
+        WITH b AS (
+            SELECT rank, batch, attempt, count(*) AS n,
+                   coalesce(json_extract_string(any_value(value), '$.reason'), '') AS reason
+            FROM lineage WHERE kind = 'rollback' GROUP BY rank, batch, attempt
+        ), runs AS (
+            SELECT *, batch - row_number() OVER (
+                PARTITION BY rank, reason, attempt ORDER BY batch) AS island
+            FROM b
+        )
+        SELECT rank, min(batch), max(batch), sum(n), reason, attempt FROM runs
+        GROUP BY rank, reason, attempt, island ORDER BY min(batch), rank
+        """
+    ).fetchall()
+    return tuple(SkippedBatches(r[0], r[1], r[2], int(r[3]), r[4], r[5]) for r in rows)
 
 
 def _ranks(con: duckdb.DuckDBPyConnection, head: str) -> tuple[RankSummary, ...]:

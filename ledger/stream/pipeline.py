@@ -20,7 +20,7 @@ import numpy as np
 import torch.utils.data as tud
 
 from ledger.commits import Commit, PipelineState, WorkerState, read_commit
-from ledger.errors import LedgerError
+from ledger.errors import LedgerError, UnsupportedArgument
 from ledger.order import BatchPlan
 from ledger.pipeline import LoaderSettings, refuse_phase
 from ledger.replay import read_buffers, replay_stream
@@ -45,6 +45,7 @@ class StreamPipeline:
     Raises:
         ValueError: for ``drop_last=True`` or ``persistent_workers=True``, or a source
             with no row.
+        UnsupportedArgument: for ``on_error="skip"`` (not supported for streams yet).
     """
 
     def __init__(self, stream: Stream, settings: LoaderSettings) -> None:
@@ -52,6 +53,16 @@ class StreamPipeline:
             raise ValueError(
                 "a Stream serves every sample (drop_last=False) and needs fresh workers "
                 "each epoch (persistent_workers=False)"
+            )
+        if settings.on_error != "raise":
+            # TODO(stream-on-error): a sample dropped in a worker's shuffle buffer would
+            # have to reach the main process's id-level mirror before it simulates the
+            # buffer (ledger.stream.replica); until then streams refuse it.
+            raise UnsupportedArgument(
+                f"on_error={settings.on_error!r} is not supported for a Stream: a sample "
+                "whose transform raises stops the run. Catch the error in the transform "
+                "(returning a placeholder), or filter the source; map-style datasets "
+                "support on_error='skip'"
             )
         n = stream.source.num_rows
         plan = BatchPlan(n, settings.batch_size, False, settings.rank, settings.world_size)
@@ -251,6 +262,18 @@ class StreamPipeline:
                 origin=state.origin,
             )
         return nxt, [chunk]
+
+    def skip(
+        self, state: PipelineState, batches: int, reason: str
+    ) -> tuple[PipelineState, list[EventChunk]]:
+        # TODO(stream-skip): a stream's next batches depend on its buffers and packing, so
+        # skipping means producing them and logging them as rollback events instead of
+        # consumed ones (reading the data: no zero-I/O skip); not built yet.
+        raise UnsupportedArgument(
+            "skipping batches of a Stream is not supported yet: its next batches are known "
+            "only by producing them. Iterate and discard the batches instead (they are then "
+            "logged as consumed), or skip with a map-style dataset"
+        )
 
     def finish(self, state: PipelineState, start_epoch: int) -> None:
         """Check, when torch's iterator ends, that the replicas agree the epoch is over.

@@ -1,0 +1,163 @@
+"""Rollback skips (loss-spike recovery): resume from an older checkpoint, skip batches on
+the record, and every later resume continues after them; audit, show and report list
+them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from conftest import Augmented
+from test_bad_samples import Flaky
+
+import ledger
+from ledger.audit import summarize
+from ledger.audit.checks import check
+from ledger.audit.queries import materialize, show
+from ledger.audit.report import write_report
+from ledger.audit.summary import BadSample, SkippedBatches
+from ledger.cli import main
+from ledger.errors import LedgerError, SampleError, UnsupportedArgument
+from ledger.testing import batches_equal, take
+
+N, B = 23, 4  # drop_last: 5 batches per epoch, 3 samples skipped
+
+
+def _make(root, workers=0, dataset=None, **kw):
+    kw = {"shuffle": True, "drop_last": True, **kw}
+    return ledger.DataLoader(
+        dataset if dataset is not None else Augmented(N), batch_size=B, seed=5, log=root,
+        num_workers=workers, **kw,
+    )  # fmt: skip
+
+
+def _same(got, want):
+    return [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if not batches_equal(a, b)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_after_a_rollback_then_every_later_resume_is_exact(tmp_path, workers):
+    reference = list(take(_make(str(tmp_path / "ref")), 20))
+    root = str(tmp_path / "log")
+    run = _make(root, workers)
+    list(take(run, 6))
+    older = run.state_dict()
+    list(take(run, 6))  # the spike: these batches are rolled back (an abandoned branch)
+    run.state_dict()
+    resumed = _make(root, workers)
+    resumed.load_state_dict(older, skip_batches=3, reason="loss spike at step 11")
+    got, tokens = [], []
+    for batch in take(resumed, 8):  # batches 9..16 of the data order (epoch 1 and 2)
+        got.append(batch)
+        tokens.append(resumed.state_dict())
+    assert _same(got, reference[9:17]) == []
+    assert [t["step"] for t in tokens] == list(range(10, 18))  # skipped batches keep indices
+    for done, token in enumerate(tokens, start=1):  # the skip is committed history
+        again = _make(root, workers)
+        again.load_state_dict(token)
+        assert _same(list(take(again, 20 - 9 - done)), reference[9 + done : 20]) == []
+
+
+def test_skip_is_recorded_and_listed(tmp_path):
+    root = str(tmp_path / "log")
+    run = _make(root)
+    list(take(run, 6))
+    older = run.state_dict()
+    list(take(run, 2))
+    run.state_dict()
+    resumed = _make(root)
+    resumed.load_state_dict(older, skip_batches=3, reason="loss spike")
+    token = resumed.state_dict()  # committed with no batch after it
+    assert token["step"] == 9
+    again = _make(root)
+    again.load_state_dict(token)
+    reference = list(take(_make(str(tmp_path / "ref")), 12))
+    assert _same(list(take(again, 3)), reference[9:12]) == []
+    again.state_dict()
+
+    s = summarize(root)
+    assert s.skipped_batches == (SkippedBatches(0, 6, 8, 12, "loss spike", 1),)
+    assert [(e.epoch, e.rolled_back) for e in s.epochs] == [(0, 0), (1, 12), (2, 0)]
+    results = {r.check: r for r in check(root, ["coverage", "skips", "duplicates"])}
+    assert all(r.ok for r in results.values()), results
+    assert "3 batches skipped on purpose (loss spike)" in results["skips"].detail
+    record = show(root, 7)
+    assert record.skip_reason == "loss spike" and record.events.num_rows == 0
+    assert show(root, 9).skip_reason is None
+    with pytest.raises(LedgerError, match=r"was skipped \(loss spike\)"):
+        materialize(root, 7, Augmented(N))
+
+    out = CliRunner().invoke(main, ["audit", root])
+    assert out.exit_code == 0, out.output
+    assert "Skipped batches" in out.output and "6-8" in out.output and "loss spike" in out.output
+    out = CliRunner().invoke(main, ["show", root, "--batch", "7"])
+    assert "skipped on purpose: loss spike" in out.output
+    page = write_report(root, tmp_path / "report.html").read_text()
+    assert "Batches skipped on purpose" in page and "loss spike" in page
+
+
+def test_skip_mid_run_invalidates_the_live_iterator(root):
+    run = _make(root)
+    it = iter(run)
+    next(it)
+    run.skip(2, reason="bad shard")
+    with pytest.raises(LedgerError, match="invalidated"):
+        next(it)
+    assert run.state.batch == 3
+    with pytest.raises(ValueError, match="reason"):
+        run.skip(1, reason=" ")
+    with pytest.raises(ValueError, match=">= 1"):
+        run.skip(0, reason="x")
+    with pytest.raises(ValueError, match="reason"):
+        run.load_state_dict(run.state_dict(), skip_batches=1)
+
+
+def test_a_batch_that_cannot_load_is_skipped_without_reading_it(root):
+    flaky = Flaky(N, bad={4, 5, 6, 7})  # batch 1 of the identity order: all bad
+    run = _make(root, dataset=flaky, shuffle=False, on_error="skip", drop_last=False)
+    with pytest.raises(SampleError, match="every sample of batch 1"):
+        for _ in run:
+            token = run.state_dict()
+    resumed = _make(root, dataset=flaky, shuffle=False, on_error="skip", drop_last=False)
+    resumed.load_state_dict(token, skip_batches=1, reason="batch 1 unreadable")
+    assert [b["id"].tolist() for b in take(resumed, 2)] == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    resumed.state_dict()
+    s = summarize(root)
+    assert s.skipped_batches == (SkippedBatches(0, 1, 1, 4, "batch 1 unreadable", 1),)
+    assert s.bad_samples == ()  # the skipped batch's samples were never loaded
+
+
+def test_bad_samples_are_listed_by_audit(root):
+    run = _make(root, dataset=Flaky(N, bad={3, 10}), shuffle=False, on_error="skip")
+    list(take(run, 10))
+    run.state_dict()
+    s = summarize(root)
+    assert s.bad_samples == (
+        BadSample(0, 0, 0, 3, 3, "ValueError", "corrupt record 3"),
+        BadSample(0, 0, 2, 10, 10, "ValueError", "corrupt record 10"),
+        BadSample(0, 1, 5, 3, 3, "ValueError", "corrupt record 3"),
+        BadSample(0, 1, 7, 10, 10, "ValueError", "corrupt record 10"),
+    )
+    assert [(e.errors, e.covered) for e in s.epochs] == [(2, N), (2, N)]
+    results = check(root, ["coverage", "skips"])
+    assert all(r.ok for r in results), results
+    assert "4 bad samples left out" in results[1].detail
+    out = CliRunner().invoke(main, ["audit", root])
+    assert "Bad samples (4)" in out.output and "ValueError: corrupt record 10" in out.output
+    out = CliRunner().invoke(main, ["show", root, "--batch", "2", "--format", "json"])
+    kinds = [(e["sample_id"], e["kind"]) for e in json.loads(out.output)["events"]]
+    assert kinds == [(8, "sample"), (9, "sample"), (10, "error"), (11, "sample")]
+    page = write_report(root, str(root) + ".html").read_text()
+    assert "Bad samples (4)" in page
+
+
+def test_streams_refuse_skip(root, tmp_path):
+    from conftest import packed_stream
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "a.jsonl").write_text('{"text": "abcdef"}\n' * 8)
+    loader = ledger.DataLoader(packed_stream(str(shards), 2), batch_size=2, seed=1, log=root)
+    with pytest.raises(UnsupportedArgument, match="Stream is not supported"):
+        loader.skip(1, reason="x")
