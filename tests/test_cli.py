@@ -168,6 +168,8 @@ def test_summary_json(root: str) -> None:
                 "skipped": 1,
                 "skipped_distinct": 1,
                 "covered": 10,
+                "errors": 0,
+                "rolled_back": 0,
             },
             {
                 "epoch": 1,
@@ -178,6 +180,8 @@ def test_summary_json(root: str) -> None:
                 "skipped": 1,
                 "skipped_distinct": 1,
                 "covered": 9,
+                "errors": 0,
+                "rolled_back": 0,
             },
             {
                 "epoch": 2,
@@ -188,6 +192,8 @@ def test_summary_json(root: str) -> None:
                 "skipped": 0,
                 "skipped_distinct": 0,
                 "covered": 3,
+                "errors": 0,
+                "rolled_back": 0,
             },
         ],
         "abandoned_commits": 1,
@@ -198,6 +204,8 @@ def test_summary_json(root: str) -> None:
         ],
         "skew": None,
         "unreadable_journal_records": 0,
+        "bad_samples": [],
+        "skipped_batches": [],
     }
     ndjson = run("audit", root, "--format", "ndjson")
     assert ndjson.stdout.count("\n") == 1

@@ -205,7 +205,7 @@ def _skips(s: Summary, config: dict) -> CheckResult:
         ]
         return CheckResult("skips", False, "; ".join(parts))
     total = sum(e.skipped for e in s.epochs)
-    detail = f"{total} samples skipped by drop_last, at most {limit} per epoch"
+    detail = f"{total} samples skipped, at most {limit} per epoch"
     if s.skipped_batches:  # on purpose, on the record: listed, not failed
         batches = sum(r.last - r.first + 1 for r in s.skipped_batches)
         reasons = "; ".join(dict.fromkeys(r.reason for r in s.skipped_batches))
