@@ -91,3 +91,8 @@ class SampleError(LedgerError):
     over). The message names the batch and the first exception. Fix the dataset, or skip
     the batch: resume and call ``loader.skip(1, reason=...)`` (:meth:`ledger.DataLoader.skip`).
     """
+
+
+class BatchSkipped(LedgerError):
+    """The batch asked for was skipped on purpose (:meth:`ledger.DataLoader.skip`): the
+    model never saw it, so there is nothing to re-create."""

@@ -25,7 +25,14 @@ import torch.utils.data as tud
 from ledger import pipeline as pipelines
 from ledger import preemption, torch_args
 from ledger.commits import Commit, PipelineState, phase_of, read_run
-from ledger.errors import CommitNotFound, ConfigMismatch, LedgerError, TokenError, WrongRoot
+from ledger.errors import (
+    BatchSkipped,
+    CommitNotFound,
+    ConfigMismatch,
+    LedgerError,
+    TokenError,
+    WrongRoot,
+)
 from ledger.fetch import RngMode, check_on_error, check_rng
 from ledger.log import Ledger
 from ledger.schema import EventChunk
@@ -714,10 +721,14 @@ class DataLoader:
 
         if state.batch == 0 or head.world_size != self._world_size:
             return  # nothing of this rank committed, or batches were numbered in another shape
-        made = materialize(
-            self._ledger.root, state.batch - 1, self._pipeline.dataset, rank=self._rank,
-            collate_fn=self._collate_fn, head=head.id,
-        )  # fmt: skip
+        try:
+            made = materialize(
+                self._ledger.root, state.batch - 1, self._pipeline.dataset, rank=self._rank,
+                collate_fn=self._collate_fn, head=head.id,
+            )  # fmt: skip
+        except BatchSkipped:
+            return  # skipped on purpose: no batch the model saw to compare
+
         if made.record.digest is not None and not made.matches:
             raise ConfigMismatch(
                 "dataset content",

@@ -77,7 +77,10 @@ def test_bad_samples_are_left_out_and_logged(root, workers, dataset):
 def test_resume_is_exact_with_bad_samples(tmp_path, workers):
     root = str(tmp_path / "log")
     checked = assert_resume_exact(
-        lambda: _loader(root, FlakyBatched(), num_workers=workers), batches=14, every=3
+        # verify_data: each resume re-creates its last batch, bad samples and all
+        lambda: _loader(root, FlakyBatched(), num_workers=workers, verify_data=True),
+        batches=14,
+        every=3,
     )
     assert checked == 4
 

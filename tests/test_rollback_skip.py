@@ -18,7 +18,7 @@ from ledger.audit.queries import materialize, show
 from ledger.audit.report import write_report
 from ledger.audit.summary import BadSample, SkippedBatches
 from ledger.cli import main
-from ledger.errors import LedgerError, SampleError, UnsupportedArgument
+from ledger.errors import BatchSkipped, LedgerError, SampleError, UnsupportedArgument
 from ledger.testing import batches_equal, take
 
 N, B = 23, 4  # drop_last: 5 batches per epoch, 3 samples skipped
@@ -70,7 +70,7 @@ def test_skip_is_recorded_and_listed(tmp_path):
     resumed.load_state_dict(older, skip_batches=3, reason="loss spike")
     token = resumed.state_dict()  # committed with no batch after it
     assert token["step"] == 9
-    again = _make(root)
+    again = _make(root, verify_data=True)  # its last committed batch was skipped
     again.load_state_dict(token)
     reference = list(take(_make(str(tmp_path / "ref")), 12))
     assert _same(list(take(again, 3)), reference[9:12]) == []
@@ -85,7 +85,7 @@ def test_skip_is_recorded_and_listed(tmp_path):
     record = show(root, 7)
     assert record.skip_reason == "loss spike" and record.events.num_rows == 0
     assert show(root, 9).skip_reason is None
-    with pytest.raises(LedgerError, match=r"was skipped \(loss spike\)"):
+    with pytest.raises(BatchSkipped, match=r"was skipped \(loss spike\)"):
         materialize(root, 7, Augmented(N))
 
     out = CliRunner().invoke(main, ["audit", root])

@@ -31,7 +31,7 @@ from ledger.commits import (
     parsing_once,
     read_run,
 )
-from ledger.errors import CommitNotFound, LedgerError
+from ledger.errors import BatchSkipped, CommitNotFound, LedgerError
 from ledger.schema import BATCH, ERROR, EVENT_SCHEMA, ROLLBACK, SAMPLE, SPAN
 from ledger.store import Store
 
@@ -438,6 +438,7 @@ def materialize(
 
     Raises:
         CommitNotFound: if the lineage holds no such batch.
+        BatchSkipped: if the batch was skipped on purpose (the model never saw it).
         LedgerError: if the dataset's length differs from the run's.
     """
     import torch.utils.data as tud
@@ -454,7 +455,7 @@ def materialize(
     seed = int(config["seed"])
     rng = rng_of(config)
     if record.skip_reason is not None:
-        raise LedgerError(
+        raise BatchSkipped(
             f"batch {batch} of rank {rank} was skipped ({record.skip_reason}): the model "
             "never saw it, there is nothing to re-create"
         )
