@@ -488,8 +488,10 @@ class DataLoader:
         ``step`` count it): batch ``k`` of the log is the ``k``-th batch of the data order,
         served or skipped, so a loop that counts optimizer steps counts ``batches``
         fewer. Map-style datasets skip without reading data (a batch whose loading fails
-        can be skipped). Under ``torch.distributed`` call it on every rank with the same
-        arguments: each rank skips its own next ``batches`` batches.
+        can be skipped); a :class:`~ledger.stream.Stream` produces the skipped batches
+        (its next batches depend on its buffers and packing) and logs them as skipped.
+        Under ``torch.distributed`` call it on every rank with the same arguments: each
+        rank skips its own next ``batches`` batches.
 
         Args:
             batches: how many batches to skip (>= 1). To skip a range of steps
@@ -499,7 +501,6 @@ class DataLoader:
 
         Raises:
             ValueError: if ``batches < 1`` or ``reason`` is empty.
-            UnsupportedArgument: for a :class:`~ledger.stream.Stream` (not supported yet).
 
         Note:
             A live iterator of the loader is invalidated (its next ``next()`` raises

@@ -126,11 +126,8 @@ class Pipeline(Protocol):
         self, state: PipelineState, batches: int, reason: str
     ) -> tuple[PipelineState, list[EventChunk]]:
         """Skip the next ``batches`` batches on purpose: the state after them, and their
-        ``rollback`` events (JSON ``{"reason": reason}`` in ``value``).
-
-        Raises:
-            UnsupportedArgument: if the pipeline cannot skip without serving.
-        """
+        ``rollback`` events (JSON ``{"reason": reason}`` in ``value``). A pipeline whose
+        next batches are a function of the state skips them without reading data."""
         ...
 
     def finish(self, state: PipelineState, start_epoch: int) -> None:

@@ -18,7 +18,7 @@ from ledger.audit.queries import materialize, show
 from ledger.audit.report import write_report
 from ledger.audit.summary import BadSample, SkippedBatches
 from ledger.cli import main
-from ledger.errors import BatchSkipped, LedgerError, SampleError, UnsupportedArgument
+from ledger.errors import BatchSkipped, LedgerError, SampleError
 from ledger.testing import batches_equal, take
 
 N, B = 23, 4  # drop_last: 5 batches per epoch, 3 samples skipped
@@ -152,12 +152,40 @@ def test_bad_samples_are_listed_by_audit(root):
     assert "Bad samples (4)" in page
 
 
-def test_streams_refuse_skip(root, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_packed_stream_skips_by_producing_the_batches(tmp_path, workers):
     from conftest import packed_stream
 
     shards = tmp_path / "shards"
     shards.mkdir()
-    (shards / "a.jsonl").write_text('{"text": "abcdef"}\n' * 8)
-    loader = ledger.DataLoader(packed_stream(str(shards), 2), batch_size=2, seed=1, log=root)
-    with pytest.raises(UnsupportedArgument, match="Stream is not supported"):
-        loader.skip(1, reason="x")
+    for k in range(2):
+        rows = [json.dumps({"text": f"doc {k}.{i} " + "w" * (i % 7)}) for i in range(12)]
+        (shards / f"part-{k}.jsonl").write_text("\n".join(rows) + "\n")
+
+    def make(root):
+        return ledger.DataLoader(
+            packed_stream(str(shards), 3), batch_size=2, shuffle=True, seed=1, log=root,
+            num_workers=workers,
+        )  # fmt: skip
+
+    reference = list(take(make(str(tmp_path / "ref")), 16))
+    root = str(tmp_path / "log")
+    run = make(root)
+    list(take(run, 4))
+    older = run.state_dict()
+    list(take(run, 3))
+    run.state_dict()
+    resumed = make(root)
+    resumed.load_state_dict(older, skip_batches=5, reason="spike")
+    got, tokens = [], []
+    for batch in take(resumed, 5):
+        got.append(batch)
+        tokens.append(resumed.state_dict())
+    assert _same(got, reference[9:14]) == []
+    for done, token in enumerate(tokens[:3], start=1):
+        again = make(root)
+        again.load_state_dict(token)
+        assert _same(list(take(again, 2)), reference[9 + done : 11 + done]) == []
+    s = summarize(root)
+    assert [(r.first, r.last, r.reason) for r in s.skipped_batches] == [(4, 8, "spike")]
+    assert show(root, 6).skip_reason == "spike"

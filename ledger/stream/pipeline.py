@@ -13,6 +13,7 @@ else.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,12 +25,23 @@ from ledger.errors import LedgerError, UnsupportedArgument
 from ledger.order import BatchPlan
 from ledger.pipeline import LoaderSettings, refuse_phase
 from ledger.replay import read_buffers, replay_stream
-from ledger.schema import BUFFER, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
+from ledger.schema import BUFFER, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
 from ledger.stream.plan import EpochPlan, carry_over
 from ledger.stream.replica import Replica, next_worker, replicas
 from ledger.stream.spec import Stream
 from ledger.stream.worker import BatchMeta, StreamDataset, identity
+
+
+def _rolled_back(chunk: EventChunk, value: str) -> EventChunk:
+    """A consumed batch's ``sample``/``span`` events as ``rollback`` events (no digest)."""
+    if chunk.kind not in (SAMPLE, SPAN):
+        return chunk
+    return EventChunk(
+        ROLLBACK, chunk.epoch, chunk.batch, chunk.worker, chunk.position, chunk.sample_ids,
+        positions=chunk.positions, token_start=chunk.token_start, token_end=chunk.token_end,
+        length=chunk.length, values=[value] * int(chunk.sample_ids.shape[0]),
+    )  # fmt: skip
 
 
 class StreamPipeline:
@@ -266,14 +278,30 @@ class StreamPipeline:
     def skip(
         self, state: PipelineState, batches: int, reason: str
     ) -> tuple[PipelineState, list[EventChunk]]:
-        # TODO(stream-skip): a stream's next batches depend on its buffers and packing, so
-        # skipping means producing them and logging them as rollback events instead of
-        # consumed ones (reading the data: no zero-I/O skip); not built yet.
-        raise UnsupportedArgument(
-            "skipping batches of a Stream is not supported yet: its next batches are known "
-            "only by producing them. Iterate and discard the batches instead (they are then "
-            "logged as consumed), or skip with a map-style dataset"
-        )
+        """Skip the next ``batches`` batches: produce them (a stream's next batches depend
+        on its buffers and packing, known only by running them: no zero-I/O skip here)
+        and log them as ``rollback`` events instead of consumed ones; the state folds
+        them as if consumed, so buffers and cursors move past them."""
+        value = json.dumps({"reason": reason})
+        events: list[EventChunk] = []
+        left = batches
+        while left:
+            start_epoch = state.epoch
+            iterator = iter(self.begin(state))
+            try:
+                for meta, _ in iterator:
+                    state, chunks = self.record(state, meta)
+                    events.extend(_rolled_back(c, value) for c in chunks)
+                    left -= 1
+                    if left == 0:
+                        break
+                else:
+                    self.finish(state, start_epoch)
+            finally:
+                shutdown = getattr(iterator, "_shutdown_workers", None)
+                if shutdown is not None:  # its workers prefetched batches no one will take
+                    shutdown()
+        return state, events
 
     def finish(self, state: PipelineState, start_epoch: int) -> None:
         """Check, when torch's iterator ends, that the replicas agree the epoch is over.
