@@ -134,3 +134,20 @@ def test_streams_refuse_skip(root, tmp_path):
 def test_on_error_is_validated(root):
     with pytest.raises(ValueError, match="on_error must be"):
         ledger.DataLoader(Flaky(), batch_size=B, seed=1, log=root, on_error="ignore")
+
+
+def test_a_mixture_leaves_out_bad_samples_of_a_source(tmp_path):
+    from ledger.mixture import Mixture
+
+    def make():
+        mix = Mixture({"good": Flaky(11, set()), "bad": FlakyBatched(13, {2, 7})},
+                      weights={"good": 0.5, "bad": 0.5})  # fmt: skip
+        return _loader(str(tmp_path / "log"), mix, num_workers=2, verify_data=True)
+
+    assert assert_resume_exact(make, batches=10, every=3) == 3
+    con = connect(str(tmp_path / "log"))
+    rows = con.sql(
+        "select source, sample_id, value from lineage where kind = 'error' order by batch"
+    ).fetchall()
+    assert {(s, i) for s, i, _ in rows} == {("bad", 2), ("bad", 7)}
+    assert all(json.loads(v)["message"] == f"corrupt record {i}" for _, i, v in rows)

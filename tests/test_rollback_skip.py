@@ -189,3 +189,24 @@ def test_a_packed_stream_skips_by_producing_the_batches(tmp_path, workers):
     s = summarize(root)
     assert [(r.first, r.last, r.reason) for r in s.skipped_batches] == [(4, 8, "spike")]
     assert show(root, 6).skip_reason == "spike"
+
+
+def test_a_mixture_skips_by_its_positions(tmp_path):
+    from ledger.mixture import Mixture
+
+    def make(root):
+        mix = Mixture({"a": Augmented(11), "b": Augmented(17)}, weights={"a": 0.3, "b": 0.7})
+        return ledger.DataLoader(mix, batch_size=3, shuffle=True, seed=2, log=root)
+
+    reference = list(take(make(str(tmp_path / "ref")), 14))
+    root = str(tmp_path / "log")
+    run = make(root)
+    list(take(run, 3))
+    token = run.state_dict()
+    resumed = make(root)
+    resumed.load_state_dict(token, skip_batches=4, reason="spike")
+    assert _same(list(take(resumed, 3)), reference[7:10]) == []
+    again = make(root)
+    again.load_state_dict(resumed.state_dict())
+    assert _same(list(take(again, 4)), reference[10:14]) == []
+    assert summarize(root).skipped_batches == (SkippedBatches(0, 3, 6, 12, "spike", 1),)
