@@ -204,3 +204,32 @@ def test_sigterm_to_the_process_group_then_resume_is_exact(tmp_path, references,
     # No step redone, none missing: the stopped run's lines, then the resumed run's.
     assert [int(s) for s, _ in resumed] == list(range(TOTAL))
     assert [i for i in range(TOTAL) if resumed[i] != reference[i]] == []
+
+
+_AGREED = """
+import os, signal, sys
+import torch.distributed as dist
+import ledger
+dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2)
+with ledger.preemption.handle() as preempt:
+    before = preempt.agreed()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)  # only rank 1 is told
+    print(before, preempt.requested, preempt.agreed(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_agreed_is_the_same_answer_on_every_rank():
+    from conftest import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _AGREED, str(r)], stdout=subprocess.PIPE, text=True, env=env
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs == [["False", "False", "True"], ["False", "True", "True"]]
