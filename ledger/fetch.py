@@ -23,6 +23,12 @@ A dataset with ``__getitems__`` (HF ``datasets.Dataset``, ``torch.utils.data.Sub
 is always fetched a batch at a time: one ``__getitems__`` call per batch. Its batch code
 runs once, so it is seeded once per batch in the ``"sample"`` mode too (with the batch
 seed).
+Bad samples (``DataLoader(on_error="skip")``, :func:`fetch_samples`): a sample whose
+loading raises is left out and reported as a :class:`Failure`; a batched
+``__getitems__`` that raises is retried one sample at a time after re-seeding as before
+it. The loader logs failures as ``error`` events, and ``ledger show --materialize``
+fetches the batch as requested (failures included) with the same function, so it
+re-creates the same batch.
 """
 
 from __future__ import annotations
