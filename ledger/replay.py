@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from ledger import segments
 from ledger.commits import (
@@ -66,16 +65,7 @@ def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
     own (:func:`ledger.segments.encode`), so a resume decodes a few hundred rows. Without
     statistics, groups are decoded from the end until one starts with an earlier batch.
     """
-    pf = segments.open_tail(store, ref.path, rows=ref.rows, size=ref.bytes, checksum=ref.sha256)
-    try:
-        return _final_batch_rows(pf, ref)
-    except (pa.ArrowException, OSError) as e:  # a page that fails its CRC, a bad page
-        raise LogCorrupted(f"segment {store.full(ref.path)} is damaged: {e}") from e
-    finally:
-        pf.close()
-
-
-def _final_batch_rows(pf: pq.ParquetFile, ref: SegmentRef) -> pa.Table:
+    pf = segments.open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256)
     columns = ["epoch", "batch", "position", "sample_id", "kind"]
     batch_column = pf.schema_arrow.get_field_index("batch")
     if "source" in pf.schema_arrow.names:  # a mixture's events name their source

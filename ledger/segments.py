@@ -9,9 +9,7 @@ then zstd; ``kind`` is dictionary-encoded. Measured by
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -50,25 +48,15 @@ def orphans(store: Store, named: set[str]) -> list[str]:
     return [rel for rel in found if rel not in named]
 
 
-PAGE_CHECKSUMS = b"ledger.page_checksums"
-"""Key of the segment metadata saying every data page carries a CRC-32 (Parquet's
-``PageHeader.crc``), so a reader can check the pages it reads without hashing the file."""
-
-_WRITTEN_SCHEMA = EVENT_SCHEMA.with_metadata(
-    {**(EVENT_SCHEMA.metadata or {}), PAGE_CHECKSUMS: b"crc32"}
-)
-
-
 def _writer(sink: pa.BufferOutputStream) -> pq.ParquetWriter:
     return pq.ParquetWriter(
         sink,
-        _WRITTEN_SCHEMA,
+        EVENT_SCHEMA,
         compression="zstd",
         use_dictionary=["kind", "source"],  # a mixture names few sources
         column_encoding=_DELTA,
         write_statistics=True,
         write_batch_size=ROW_GROUP_ROWS,  # the same bytes as the default 1,024, ~8% less CPU
-        write_page_checksum=True,
     )
 
 
@@ -213,56 +201,6 @@ def open_segment(
     except (pa.ArrowException, OSError, ValueError) as e:  # ValueError: a mangled footer
         raise LogCorrupted(f"segment {where} is not a readable Parquet file: {e}") from e
     if rows is not None and num_rows != rows:
-        raise LogCorrupted(f"segment {where} has {num_rows} rows, its marker says {rows}")
-    return pf
-
-
-def open_tail(store: Store, rel: str, *, rows: int, size: int, checksum: str) -> pq.ParquetFile:
-    """Open a segment to read a few of its row groups, checking only what is read.
-
-    A resume needs the final batch of a rank's newest segment, not the whole file. A
-    segment whose pages carry CRC-32s (:data:`PAGE_CHECKSUMS`, written since this
-    function exists) is opened lazily: its size and row count are checked against the
-    marker, and each page is checked against its CRC when decoded
-    (``page_checksum_verification``), so damage to what the resume reads is detected
-    while only the footer and the row groups read are fetched (ranged reads on an object
-    store). Any other segment (older, or compacted) is read whole and its SHA-256
-    checked, as :func:`open_segment` does.
-
-    Raises:
-        LogCorrupted: if the file is missing, differs from the marker in size or rows, or
-            is not a readable Parquet file. A page that fails its CRC raises ``OSError``
-            from the row-group read; the caller names the segment
-            (:func:`ledger.replay.replay` raises ``LogCorrupted``).
-    """
-    where = store.full(rel)
-    local = store.local_path(rel)
-    try:
-        if local is not None:
-            found = os.path.getsize(local)
-            source: Any = local
-        else:
-            source = store.fs.open(where, "rb")
-            found = int(source.size)
-    except FileNotFoundError:
-        return open_segment(store, rel, rows=rows, checksum=checksum, size=size)
-    except Exception as e:
-        raise LogCorrupted(f"segment {where} cannot be opened: {e}") from e
-    if found != size:
-        raise LogCorrupted(
-            f"segment {where} has {found} bytes, its commit marker says {size}: the file "
-            "was altered after commit"
-        )
-    try:
-        pf = pq.ParquetFile(source, page_checksum_verification=True)
-        num_rows = pf.metadata.num_rows
-        flagged = (pf.metadata.metadata or {}).get(PAGE_CHECKSUMS) == b"crc32"
-    except (pa.ArrowException, OSError, ValueError) as e:  # ValueError: a mangled footer
-        raise LogCorrupted(f"segment {where} is not a readable Parquet file: {e}") from e
-    if not flagged:  # written before page checksums: check the whole file
-        pf.close()
-        return open_segment(store, rel, rows=rows, checksum=checksum, size=size)
-    if num_rows != rows:
         raise LogCorrupted(f"segment {where} has {num_rows} rows, its marker says {rows}")
     return pf
 
