@@ -136,7 +136,10 @@ def main(argv: list[str] | None = None) -> None:
             t_spark = best(lambda r=root: engine.summarize(spark, r), a.repeat)
             t_trust = best(lambda r=root: engine.summarize(spark, r, checksums=False), a.repeat)
             rows.append((n, t_duck, t_spark, t_trust))
-            console.print(f"{n:,}: duckdb {t_duck:.2f} s, spark {t_spark:.2f} s")
+            console.print(
+                f"{n:,}: duckdb {t_duck:.2f} s, spark {t_spark:.2f} s, spark without "
+                f"SHA-256 {t_trust:.2f} s (load {os.getloadavg()[0]:.1f})"
+            )
             shutil.rmtree(root, ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
