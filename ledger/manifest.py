@@ -48,6 +48,7 @@ from __future__ import annotations
 import binascii
 import itertools
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,11 +193,11 @@ def table(commit: object) -> pa.Table:
     return from_rows(commit.id, commit.step, commit.attempt, rows)
 
 
-def read(store: Store, cid: str, digest: str) -> pa.Table:
-    """Read the manifest of commit ``cid``, checked against the SHA-256 its marker names.
+def _read_checked(store: Store, cid: str, digest: str) -> bytes:
+    """The bytes of commit ``cid``'s manifest, checked against the SHA-256 ``digest``.
 
     Raises:
-        LogCorrupted: if it is missing, altered or not a manifest table.
+        LogCorrupted: if it is missing or altered.
     """
     rel = manifest_path(cid)
     try:
@@ -211,6 +212,17 @@ def read(store: Store, cid: str, digest: str) -> pa.Table:
             f"{store.full(rel)} has another SHA-256 than commit {cid} names: it was altered; "
             "restore it from a backup"
         )
+    return data
+
+
+def read(store: Store, cid: str, digest: str) -> pa.Table:
+    """Read the manifest of commit ``cid``, checked against the SHA-256 its marker names.
+
+    Raises:
+        LogCorrupted: if it is missing, altered or not a manifest table.
+    """
+    data = _read_checked(store, cid, digest)
+    rel = manifest_path(cid)
     try:
         found = pq.read_table(pa.BufferReader(data))
     except (pa.ArrowException, OSError) as e:
@@ -266,13 +278,28 @@ def files(store: Store, commits: Sequence[object]) -> Files:
     return Files(tuple(plain), compacted)
 
 
-def check(store: Store, commits: Sequence[object]) -> list[str]:
+def check(store: Store, commits: Sequence[object], threads: int = 8) -> list[str]:
     """Problems of the manifests and lineage ranges of ``commits`` (empty: none).
 
-    Every marker naming a manifest must find it with its SHA-256 and exactly the rows its
-    per-rank table gives; every marker recording lineage ranges must record its parent's
-    ranges extended by itself (:func:`extend`); and each attempt's commits must form one
-    chain, which is what makes ranges a lineage.
+    Every marker naming a manifest must find it with the SHA-256 the marker names: the
+    files are read and hashed on ``threads`` threads, with no Parquet decoding, so the
+    check costs one read per commit (~0.1 ms locally) and catches any missing, altered,
+    swapped or truncated manifest. A manifest's bytes are a deterministic function of its
+    marker's rank table (:func:`encode`), so a matching SHA-256 means the content the
+    writer computed; the content is decoded and compared with the marker's rank table
+    (:func:`table`) only for the heads (commits no other commit names as parent), which
+    are the manifests engines read lineages from, and which catch a writer whose
+    encoding drifted from its rank table. Every marker recording lineage ranges must
+    record its parent's ranges extended by itself (:func:`extend`); and each attempt's
+    commits must form one chain, which is what makes ranges a lineage.
+
+    Args:
+        store: the log's store.
+        commits: the :class:`~ledger.commits.Commit` markers to check (a lineage or all).
+        threads: how many manifest files are read at once (object stores gain most).
+
+    Returns:
+        One sentence per problem, in commit order for the manifests.
     """
     from ledger.commits import Commit
 
@@ -280,15 +307,26 @@ def check(store: Store, commits: Sequence[object]) -> list[str]:
     for c in commits:
         assert isinstance(c, Commit)
         by_id[c.id] = c
+    parents = {c.parent for c in by_id.values()}
+    named = [c for c in by_id.values() if c.manifest is not None]
+
+    def one(c: Any) -> str | None:
+        try:
+            if c.id in parents:  # an inner commit: its SHA-256 binds it to its marker
+                _read_checked(store, c.id, c.manifest[1])
+            elif not read(store, c.id, c.manifest[1]).equals(table(c)):
+                return f"manifest of {c.id} differs from its marker's rank table"
+        except LogCorrupted as e:
+            return str(e)
+        return None
+
     problems: list[str] = []
+    if named:
+        with ThreadPoolExecutor(
+            max(1, min(threads, len(named))), thread_name_prefix="ledger-manifest"
+        ) as pool:
+            problems.extend(p for p in pool.map(one, named) if p is not None)
     for c in by_id.values():
-        if c.manifest is not None:
-            try:
-                found = read(store, c.id, c.manifest[1])
-                if not found.equals(table(c)):
-                    problems.append(f"manifest of {c.id} differs from its marker's rank table")
-            except LogCorrupted as e:
-                problems.append(str(e))
         if c.lineage_ranges is not None:
             parent = by_id.get(c.parent) if c.parent is not None else None
             if parent is not None and parent.lineage_ranges is not None:

@@ -283,3 +283,30 @@ def test_verify_fails_on_an_altered_manifest(tmp_path):
     result = {r.check: r for r in verify(root).results}["manifest"]
     assert not result.ok
     assert "000000000003-0000.parquet has another SHA-256 than commit" in result.detail
+
+
+def test_verify_decodes_a_head_manifest_whose_marker_names_its_sha256(tmp_path):
+    """The manifest check hashes every manifest and decodes the heads': a head's marker
+    rewritten to name another commit's (valid) manifest passes the SHA-256 comparison and
+    must still fail on content. An inner manifest truncated fails on its SHA-256."""
+    import json
+
+    root = str(tmp_path / "log")
+    three_ranks(root)
+    head = "000000000005-0001"
+    data = open(os.path.join(root, "manifest", "000000000003-0000.parquet"), "rb").read()
+    with open(os.path.join(root, "manifest", f"{head}.parquet"), "wb") as f:
+        f.write(data)
+    marker = os.path.join(root, "commits", f"{head}.json")
+    d = json.loads(open(marker, "rb").read())
+    d["manifest"].update(bytes=len(data), sha256=sha256(data))
+    with open(marker, "w") as f:
+        json.dump(d, f)
+    inner = os.path.join(root, "manifest", "000000000002-0000.parquet")
+    with open(inner, "r+b") as f:
+        f.truncate(100)
+    result = {r.check: r for r in verify(root).results}["manifest"]
+    assert not result.ok
+    assert result.detail.startswith("2 bad: ")
+    assert "000000000002-0000.parquet has another SHA-256 than commit" in result.detail
+    assert f"manifest of {head} differs from its marker's rank table" in result.detail
