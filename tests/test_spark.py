@@ -290,18 +290,17 @@ def test_verify_decodes_a_head_manifest_whose_marker_names_its_sha256(tmp_path):
     rewritten to name another commit's (valid) manifest passes the SHA-256 comparison and
     must still fail on content. An inner manifest truncated fails on its SHA-256."""
     import json
+    from pathlib import Path
 
     root = str(tmp_path / "log")
     three_ranks(root)
     head = "000000000005-0001"
-    data = open(os.path.join(root, "manifest", "000000000003-0000.parquet"), "rb").read()
-    with open(os.path.join(root, "manifest", f"{head}.parquet"), "wb") as f:
-        f.write(data)
-    marker = os.path.join(root, "commits", f"{head}.json")
-    d = json.loads(open(marker, "rb").read())
-    d["manifest"].update(bytes=len(data), sha256=sha256(data))
-    with open(marker, "w") as f:
-        json.dump(d, f)
+    other = Path(root, "manifest", "000000000003-0000.parquet").read_bytes()
+    Path(root, "manifest", f"{head}.parquet").write_bytes(other)
+    marker = Path(root, "commits", f"{head}.json")
+    d = json.loads(marker.read_bytes())
+    d["manifest"].update(bytes=len(other), sha256=sha256(other))
+    marker.write_text(json.dumps(d))
     inner = os.path.join(root, "manifest", "000000000002-0000.parquet")
     with open(inner, "r+b") as f:
         f.truncate(100)

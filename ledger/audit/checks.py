@@ -323,7 +323,8 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
     - ``duplicates``: no sample consumed twice in an epoch of the default head's lineage.
     - ``orphans``: segment files no marker names (reported; replay ignores them).
     - ``manifest``: every manifest file a marker names (:mod:`ledger.manifest`) has the
-      SHA-256 the marker names and the rows of its rank table; every marker's lineage
+      SHA-256 the marker names (hashed, not decoded), and the heads' manifests hold the
+      rows of their markers' rank tables (decoded); every marker's lineage
       ranges extend its parent's; each attempt commits along one chain.
 
     Args:
