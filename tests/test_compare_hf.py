@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# One worker runs this module whole (pytest-xdist --dist loadgroup): its module-scoped
+# fixture is built once.
+pytestmark = pytest.mark.xdist_group("test_compare_hf")
+
 REPO = Path(__file__).resolve().parents[1]
 
 _spec = importlib.util.spec_from_file_location("compare_hf", REPO / "tools" / "compare_hf.py")

@@ -18,6 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# One worker runs this module whole (pytest-xdist --dist loadgroup): its module-scoped
+# fixture is built once.
+pytestmark = pytest.mark.xdist_group("test_example_dist")
+
 REPO = Path(__file__).resolve().parents[1]
 
 

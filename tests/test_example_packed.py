@@ -23,6 +23,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+# One worker runs this module whole (pytest-xdist --dist loadgroup): its module-scoped
+# fixture is built once.
+pytestmark = pytest.mark.xdist_group("test_example_packed")
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -19,6 +19,10 @@ import ledger
 from ledger.errors import LedgerError, Preempted
 from ledger.testing import batches_equal, take
 
+# One worker runs this module whole (pytest-xdist --dist loadgroup): its module-scoped
+# fixture is built once.
+pytestmark = pytest.mark.xdist_group("test_preemption")
+
 CHILD = os.path.join(os.path.dirname(__file__), "preempt_child.py")
 TOTAL = 20
 

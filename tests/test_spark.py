@@ -40,6 +40,10 @@ from ledger.segments import encode, segment_path
 from ledger.store import Store, sha256
 from ledger.testing import take
 
+# One worker runs this module whole (pytest-xdist --dist loadgroup): its module-scoped
+# fixture is built once.
+pytestmark = pytest.mark.xdist_group("test_spark")
+
 _REQUIRED = os.environ.get("LEDGER_REQUIRE_SPARK") == "1"
 
 

@@ -29,6 +29,10 @@ from ledger.errors import LedgerError, LogCorrupted, TokenError
 from ledger.journal import parse_journal
 from ledger.testing import take
 
+# One worker runs this module whole (pytest-xdist --dist loadgroup): its module-scoped
+# fixture is built once.
+pytestmark = pytest.mark.xdist_group("test_trust")
+
 N, BATCH = 24, 3
 
 
