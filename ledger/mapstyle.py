@@ -34,7 +34,7 @@ from ledger.digest import digest_bytes
 from ledger.errors import LedgerError, SampleError
 from ledger.fetch import Failure, RngMode, fetch_samples
 from ledger.order import BatchPlan, EpochOrder
-from ledger.pipeline import LoaderSettings, refuse_phase
+from ledger.pipeline import LoaderSettings, unchanged_phase
 from ledger.replay import advance, replay, resume_elastic
 from ledger.schema import ERROR, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SKIP, EventChunk
 from ledger.store import Store
@@ -327,10 +327,7 @@ class MapPipeline:
     def new_phase(
         self, store: Store, head: Commit, current: dict[str, Any] | None, logged: dict[str, Any]
     ) -> dict[str, Any]:
-        base = current["config"] if current is not None else logged
-        refuse_phase(self.config(), base, ())
-        number = current["number"] + 1 if current is not None else 1
-        return {"number": number, "config": self.config(), "start": 0, "base": []}
+        return unchanged_phase(self.config(), current, logged)
 
     def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
         if head.world_size != self.plan.world_size:

@@ -223,3 +223,19 @@ def refuse_phase(mine: dict[str, Any], logged: dict[str, Any], allowed: tuple[st
                 "A new phase can change a ledger.Mixture's weights (or schedule) only; "
                 "resume with the run's configuration otherwise, or start a new run.",
             )
+
+
+def unchanged_phase(
+    config: dict[str, Any], current: dict[str, Any] | None, logged: dict[str, Any]
+) -> dict[str, Any]:
+    """The phase record of a pipeline whose configuration a phase cannot change (a
+    map-style dataset, a stream): refused unless the configuration is the same, then
+    a record with nothing to carry.
+
+    Raises:
+        ConfigMismatch: see :func:`refuse_phase`.
+    """
+    base = current["config"] if current is not None else logged
+    refuse_phase(config, base, ())
+    number = current["number"] + 1 if current is not None else 1
+    return {"number": number, "config": config, "start": 0, "base": []}

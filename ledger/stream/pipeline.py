@@ -23,7 +23,7 @@ import torch.utils.data as tud
 from ledger.commits import Commit, PipelineState, WorkerState, read_commit
 from ledger.errors import LedgerError, UnsupportedArgument
 from ledger.order import BatchPlan
-from ledger.pipeline import LoaderSettings, refuse_phase
+from ledger.pipeline import LoaderSettings, unchanged_phase
 from ledger.replay import read_buffers, replay_stream
 from ledger.schema import BUFFER, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
@@ -337,10 +337,7 @@ class StreamPipeline:
     def new_phase(
         self, store: Store, head: Commit, current: dict[str, Any] | None, logged: dict[str, Any]
     ) -> dict[str, Any]:
-        base = current["config"] if current is not None else logged
-        refuse_phase(self.config(), base, ())
-        number = current["number"] + 1 if current is not None else 1
-        return {"number": number, "config": self.config(), "start": 0, "base": []}
+        return unchanged_phase(self.config(), current, logged)
 
     def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
         """See :func:`ledger.replay.replay_stream`."""
