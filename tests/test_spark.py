@@ -313,3 +313,48 @@ def test_verify_decodes_a_head_manifest_whose_marker_names_its_sha256(tmp_path):
     assert result.detail.startswith("2 bad: ")
     assert "000000000002-0000.parquet has another SHA-256 than commit" in result.detail
     assert f"manifest of {head} differs from its marker's rank table" in result.detail
+
+
+def _bench_tool():
+    """``tools/bench_spark.py`` as a module (tools/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "bench_spark.py"
+    spec = importlib.util.spec_from_file_location("bench_spark", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 17, 1000, 4097, 100_003])
+def test_bench_permutation_is_a_bijection_evaluated_per_slice(n):
+    """The benchmark's Feistel permutation (no array of the whole epoch) maps [0, n) onto
+    itself one to one, also when evaluated slice by slice as the log writer does; two
+    seeds give two different orders (for n >= 17; small n have few orders to pick from)."""
+    import itertools
+
+    import numpy as np
+
+    permuted = _bench_tool().permuted
+    whole = permuted(np.arange(n, dtype=np.int64), n, 0)
+    assert whole.dtype == np.int64
+    assert sorted(whole.tolist()) == list(range(n))
+    cut = [0, n // 3, n // 2, n]
+    pieces = [permuted(np.arange(a, b, dtype=np.int64), n, 0) for a, b in itertools.pairwise(cut)]
+    assert np.concatenate(pieces).tolist() == whole.tolist()
+    if n >= 17:
+        assert permuted(np.arange(n, dtype=np.int64), n, 1).tolist() != whole.tolist()
+
+
+def test_bench_log_is_one_epoch_without_duplicates(tmp_path):
+    """The benchmark's log at a small size: the DuckDB summary sees one epoch of distinct
+    ids, every full global batch of every rank."""
+    tool = _bench_tool()
+    n, ranks_ = 3 * 4 * tool.BATCH + 5, 4
+    root = str(tmp_path / "log")
+    tool.make_log(root, n, ranks_)
+    (epoch,) = summarize(root).epochs
+    assert epoch.samples == epoch.distinct == 3 * 4 * tool.BATCH
+    assert epoch.duplicates == 0
