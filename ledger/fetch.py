@@ -105,7 +105,8 @@ MESSAGE_CHARS = 500
 """Characters of an exception's message kept in the log."""
 
 
-def _failure(index: int, e: Exception) -> Failure:
+def failure_of(index: int, e: Exception) -> Failure:
+    """The :class:`Failure` of the sample at ``index`` that raised ``e``."""
     t = type(e)
     name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
     return Failure(index, name, str(e)[:MESSAGE_CHARS])
@@ -199,7 +200,7 @@ def fetch_samples(
             except Exception as e:
                 if not skip_errors:
                     raise
-                failures.append(_failure(i, e))
+                failures.append(failure_of(i, e))
         return samples, failures
 
 
@@ -229,5 +230,5 @@ def _fetch(
         except Exception as e:
             if not skip_errors:
                 raise
-            failures.append(_failure(i, e))
+            failures.append(failure_of(i, e))
     return samples, failures

@@ -181,7 +181,9 @@ class DataLoader:
             fail on every run, resume and ``ledger show --materialize``, since loading
             is a function of the dataset and the seeds (:func:`ledger.fetch.fetch_samples`).
             A batch whose every sample fails raises :class:`ledger.errors.SampleError`.
-            Map-style datasets only: a :class:`~ledger.stream.Stream` refuses ``"skip"``.
+            A :class:`~ledger.stream.Stream` drops a failed sample where its shuffle
+            buffer hands it on and fills the batch with the next one
+            (:class:`ledger.stream.pipeline.StreamPipeline`).
 
     Raises:
         UnsupportedArgument: (a ``ValueError``) for an argument ledger cannot honour

@@ -11,7 +11,7 @@ import torch
 import ledger
 from ledger.audit import connect
 from ledger.audit.queries import materialize
-from ledger.errors import SampleError, UnsupportedArgument
+from ledger.errors import SampleError
 from ledger.order import EpochOrder
 from ledger.testing import assert_resume_exact, batches_equal, take
 
@@ -119,16 +119,202 @@ def test_materialize_recreates_a_batch_with_a_bad_sample(root, dataset):
         assert torch.equal(made.data["x"], batches[batch]["x"])
 
 
-def test_streams_refuse_skip(root, tmp_path):
-    from conftest import packed_stream
+STREAM_ROWS, STREAM_BAD = 29, {0, 4, 5, 13, 26, 27, 28}
 
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    (shards / "a.jsonl").write_text('{"text": "abc"}\n' * 8)
-    with pytest.raises(UnsupportedArgument, match="not supported for a Stream"):
-        ledger.DataLoader(
-            packed_stream(str(shards), 2), batch_size=2, seed=1, log=root, on_error="skip"
-        )
+
+@pytest.fixture
+def stream_shards(tmp_path):
+    """Three JSONL shards of 29 rows in all; the rows in ``STREAM_BAD`` are corrupt."""
+    d = tmp_path / "shards"
+    d.mkdir()
+    k = 0
+    for s, n in enumerate((11, 10, 8)):
+        with open(d / f"part-{s}.jsonl", "w") as f:
+            for i in range(k, k + n):
+                f.write(json.dumps({"id": i, "text": f"doc {i} " + "xyz"[: i % 4]}) + "\n")
+        k += n
+    return str(d)
+
+
+def _stream_transform(record, ctx):
+    if record["id"] in STREAM_BAD:
+        raise ValueError(f"corrupt record {record['id']}")
+    ctx.record(flip=int(ctx.rng.integers(0, 2)))
+    return np.frombuffer(record["text"].encode(), np.uint8).astype(np.int64) + 1
+
+
+def _flaky_stream(shards: str, packing: bool, transform=_stream_transform, buffer: int = 5):
+    from ledger.stream import Packer, ShardedSource, Stream
+
+    def item(record, ctx):  # unpacked: the id and the tokens
+        return {"id": torch.tensor(record["id"]), "n": torch.tensor(len(transform(record, ctx)))}
+
+    return Stream(
+        ShardedSource(f"{shards}/*"),
+        transform=transform if packing else item,
+        shuffle_buffer=buffer,
+        packer=Packer(seq_len=8) if packing else None,
+    )
+
+
+def _stream_loader(root, shards, packing, workers, **kw):
+    return ledger.DataLoader(
+        _flaky_stream(shards, packing), batch_size=3, shuffle=True, seed=5, log=root,
+        num_workers=workers, on_error="skip", **kw,
+    )  # fmt: skip
+
+
+def _served_ids(batch, packing):
+    if packing:
+        owners = batch["sample_ids"].numpy()
+        return sorted(set(owners[owners >= 0].tolist()))
+    return batch["id"].tolist()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_stream_leaves_out_bad_samples_and_logs_them(tmp_path, stream_shards, workers, packing):
+
+    root = str(tmp_path / "log")
+    loader = _stream_loader(root, stream_shards, packing, workers)
+    epochs = [[b for b in loader] for _ in range(2)]
+    loader.state_dict()
+    good = set(range(STREAM_ROWS)) - STREAM_BAD
+    for batches in epochs:
+        served = [i for b in batches for i in _served_ids(b, packing)]
+        if not packing:  # full batches but the last of each worker: failed ones replaced
+            assert sorted(served) == sorted(good)
+            assert sum(len(b["id"]) < 3 for b in batches) <= max(workers, 1)
+        else:
+            assert set(served) == good
+    # The same stream without failures, with the bad ids removed: the same ids, in order
+    # per logical worker (a failure takes no place in the shuffled stream).
+    clean = ledger.DataLoader(
+        _flaky_stream(stream_shards, packing, transform=_tokens_of_all), batch_size=3,
+        shuffle=True, seed=5, log=str(tmp_path / "clean"), num_workers=workers,
+    )  # fmt: skip
+    want = [b for b in clean]
+    clean.state_dict()
+    con, con_clean = connect(root), connect(str(tmp_path / "clean"))
+    got = _per_worker(con, epochs[0], packing)
+    expected = _per_worker(con_clean, want, packing)
+    assert got.keys() == expected.keys()
+    for w, ids in expected.items():
+        assert got[w] == [i for i in ids if i not in STREAM_BAD]
+    rows = con.sql(
+        "select epoch, worker, sample_id, position, value from lineage where kind = 'error' "
+        "order by epoch, sample_id"
+    ).fetchall()
+    assert [(e, s) for e, _, s, _, _ in rows] == [
+        (e, s) for e in range(2) for s in sorted(STREAM_BAD)
+    ]
+    # At the position the sample has in the epoch's plan (the clean run's, for epoch 0).
+    kind = "span" if packing else "sample"
+    clean_positions = dict(
+        con_clean.sql(
+            f"select sample_id, min(position) from lineage where kind = '{kind}' group by 1"
+        ).fetchall()
+    )
+    for epoch, _, sid, position, value in rows:
+        assert json.loads(value) == {"type": "ValueError", "message": f"corrupt record {sid}"}
+        if epoch == 0:
+            assert position == clean_positions[sid]
+
+
+def _per_worker(con, batches, packing):
+    """Epoch 0's samples in the order each logical worker served them (a packed sample
+    once, where it begins)."""
+    workers = dict(
+        con.sql(
+            "select distinct batch, worker from lineage where epoch = 0 and kind in "
+            "('sample', 'span')"
+        ).fetchall()
+    )
+    out: dict[int, list[int]] = {}
+    for k, batch in enumerate(batches):
+        ids = out.setdefault(workers[k], [])
+        if packing:
+            for i in batch["sample_ids"].reshape(-1).tolist():
+                if i >= 0 and i not in ids:
+                    ids.append(i)
+        else:
+            ids.extend(batch["id"].tolist())
+    return out
+
+
+def _tokens_of_all(record, ctx):
+    ctx.record(flip=int(ctx.rng.integers(0, 2)))
+    return np.frombuffer(record["text"].encode(), np.uint8).astype(np.int64) + 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_stream_resumes_exactly_with_bad_samples(tmp_path, stream_shards, workers, packing):
+    root = str(tmp_path / "log")
+    checked = assert_resume_exact(
+        lambda: _stream_loader(root, stream_shards, packing, workers, verify_data=True),
+        batches=16,
+        every=2,
+    )
+    assert checked == 8
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_failures_after_a_workers_last_good_sample_ride_with_its_last_batch(
+    tmp_path, stream_shards, packing
+):
+    root = str(tmp_path / "log")
+
+    def make():
+        return ledger.DataLoader(
+            # 22 good samples: the last of 11 batches of 2 is full, so the failures
+            # after it are found only when the worker looks for a 12th
+            _flaky_stream(stream_shards, packing, buffer=0), batch_size=2, shuffle=False,
+            seed=5, log=root, on_error="skip", verify_data=True,
+        )  # fmt: skip
+
+    loader = make()
+    batches = list(loader)
+    loader.state_dict()
+    served = list(dict.fromkeys(i for b in batches for i in _served_ids(b, packing)))
+    assert served == sorted(set(range(STREAM_ROWS)) - STREAM_BAD)  # in order: no shuffle
+    last = len(batches) - 1
+    rows = (
+        connect(root)
+        .sql("select batch, sample_id from lineage where kind = 'error' order by sample_id")
+        .fetchall()
+    )
+    assert rows[0] == (0, 0) and rows[-3:] == [(last, 26), (last, 27), (last, 28)]
+    assert assert_resume_exact(make, batches=2 * len(batches), every=1) == 2 * len(batches)
+
+
+def test_a_stream_whose_rest_all_fails_raises_sample_error(tmp_path, stream_shards):
+    from ledger.stream import ShardedSource, Stream
+
+    def broken(record, ctx):
+        raise OSError("unreadable")
+
+    loader = ledger.DataLoader(
+        Stream(ShardedSource(f"{stream_shards}/*"), transform=broken), batch_size=3,
+        seed=1, log=str(tmp_path / "log"), on_error="skip", collate_fn=lambda x: x,
+    )  # fmt: skip
+    with pytest.raises(SampleError, match="every sample left to worker 0 in epoch 0"):
+        list(loader)
+
+
+def test_the_audit_lists_a_streams_bad_samples(tmp_path, stream_shards):
+    from click.testing import CliRunner
+
+    from ledger.cli import main
+
+    root = str(tmp_path / "log")
+    loader = _stream_loader(root, stream_shards, True, 0)
+    list(loader)
+    loader.state_dict()
+    out = CliRunner().invoke(main, ["audit", root, "--format", "json"])
+    assert out.exit_code == 0, out.output
+    listed = json.loads(out.output)["bad_samples"]
+    assert sorted(b["sample_id"] for b in listed) == sorted(STREAM_BAD)
 
 
 def test_on_error_is_validated(root):

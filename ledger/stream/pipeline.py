@@ -21,11 +21,11 @@ import numpy as np
 import torch.utils.data as tud
 
 from ledger.commits import Commit, PipelineState, WorkerState, read_commit
-from ledger.errors import LedgerError, UnsupportedArgument
+from ledger.errors import LedgerError
 from ledger.order import BatchPlan
 from ledger.pipeline import LoaderSettings, unchanged_phase
 from ledger.replay import read_buffers, replay_stream
-from ledger.schema import BUFFER, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SPAN, EventChunk
+from ledger.schema import BUFFER, ERROR, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
 from ledger.stream.plan import EpochPlan, carry_over
 from ledger.stream.replica import Replica, next_worker, replicas
@@ -54,10 +54,16 @@ class StreamPipeline:
         settings: the loader's settings (``drop_last`` and ``persistent_workers`` must be
             off).
 
+    With ``on_error="skip"`` a sample whose transform raises still passes through its
+    worker's shuffle buffer (the id stream does not depend on the data), and is left out
+    when the buffer hands it on; the batch takes the next sample instead. The worker
+    names the failed samples with the batch (:class:`~ledger.stream.worker.BatchMeta`),
+    the replica folds them as taken (so cursors and buffers stay exact), and they are
+    logged as ``error`` events at their positions.
+
     Raises:
         ValueError: for ``drop_last=True`` or ``persistent_workers=True``, or a source
             with no row.
-        UnsupportedArgument: for ``on_error="skip"`` (not supported for streams yet).
     """
 
     def __init__(self, stream: Stream, settings: LoaderSettings) -> None:
@@ -65,16 +71,6 @@ class StreamPipeline:
             raise ValueError(
                 "a Stream serves every sample (drop_last=False) and needs fresh workers "
                 "each epoch (persistent_workers=False)"
-            )
-        if settings.on_error != "raise":
-            # TODO(stream-on-error): a sample dropped in a worker's shuffle buffer would
-            # have to reach the main process's id-level mirror before it simulates the
-            # buffer (ledger.stream.replica); until then streams refuse it.
-            raise UnsupportedArgument(
-                f"on_error={settings.on_error!r} is not supported for a Stream: a sample "
-                "whose transform raises stops the run. Catch the error in the transform "
-                "(returning a placeholder), or filter the source; map-style datasets "
-                "support on_error='skip'"
             )
         n = stream.source.num_rows
         plan = BatchPlan(n, settings.batch_size, False, settings.rank, settings.world_size)
@@ -100,6 +96,7 @@ class StreamPipeline:
             settings.collate_fn,
             settings.rng == "sample",
             settings.digest,
+            settings.on_error == "skip",
         )
         self.torch_loader = tud.DataLoader(
             self.torch_dataset,
@@ -257,6 +254,16 @@ class StreamPipeline:
             values=values,
             digest=meta.digest,
         )
+        events = [chunk]
+        if meta.failures:
+            failed = np.array([sid for sid, _, _ in meta.failures], np.int64)
+            events.append(
+                EventChunk(
+                    ERROR, state.epoch, state.batch, meta.worker, 0, failed,
+                    positions=self.plan(state.epoch, state.origin).positions(failed),
+                    values=[value for _, _, value in meta.failures],
+                )
+            )  # fmt: skip
         after = next_worker(self.replicas, meta.worker)
         if after < 0:  # every logical worker of the rank finished: the epoch is over
             self.reset({})
@@ -273,7 +280,7 @@ class StreamPipeline:
                 after,
                 origin=state.origin,
             )
-        return nxt, [chunk]
+        return nxt, events
 
     def skip(
         self, state: PipelineState, batches: int, reason: str

@@ -69,10 +69,32 @@ class Replica:
             LedgerError: if the batch differs from the prediction (the data or the
                 worker's code is not deterministic).
         """
+        if not meta.failures:
+            if meta.spans is None:
+                self._expect(meta.sample_ids)
+            else:
+                self.packing.fold(meta.sample_ids, meta.spans, self._expect)
+            return
+        # Samples that failed to load (on_error="skip") left the shuffled stream between
+        # the good ones: the ids taken are the good ones with the failed ones put back.
+        begun: list[np.ndarray] = []
         if meta.spans is None:
-            self._expect(meta.sample_ids)
+            begun.append(meta.sample_ids)
         else:
-            self.packing.fold(meta.sample_ids, meta.spans, self._expect)
+            self.packing.fold(meta.sample_ids, meta.spans, begun.append)
+        good = np.concatenate(begun) if begun else np.zeros(0, np.int64)
+        taken = np.empty(meta.pulled, np.int64)
+        failed = np.zeros(meta.pulled, np.bool_)
+        at = [k for _, k, _ in meta.failures]
+        if good.size + len(at) != meta.pulled or not all(0 <= k < meta.pulled for k in at):
+            raise LedgerError(
+                f"worker {self.worker} says it took {meta.pulled} samples for a batch, but "
+                f"the batch begins {good.size} and {len(at)} failed"
+            )
+        failed[at] = True
+        taken[failed] = [sid for sid, _, _ in meta.failures]
+        taken[~failed] = good
+        self._expect(taken)
 
     def _expect(self, ids: np.ndarray) -> None:
         want = self.feed.take(ids.size)

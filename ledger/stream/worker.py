@@ -25,7 +25,8 @@ import torch
 
 from ledger.commits import WorkerState
 from ledger.digest import digest_bytes
-from ledger.errors import LedgerError
+from ledger.errors import LedgerError, SampleError
+from ledger.fetch import Failure, failure_of
 from ledger.order import rngs_preserved
 from ledger.stream.packing import PackState, Tail, assemble
 from ledger.stream.plan import EpochPlan, buffer_key
@@ -139,6 +140,11 @@ class BatchMeta:
             ``None`` when no row recorded any.
         digest: content digest of the batch (32 bytes, :func:`ledger.digest.digest_bytes`),
             or ``None`` when the loader does not record digests.
+        failures: samples whose loading raised (``on_error="skip"``), left out of the
+            batch: ``(sample id, index among the ids the worker took from its shuffled
+            stream for this batch, JSON {"type", "message"})``; ``None`` if none.
+        pulled: ids the worker took from its shuffled stream for this batch, failed ones
+            included (set with ``on_error="skip"`` only).
     """
 
     worker: int
@@ -147,6 +153,8 @@ class BatchMeta:
     spans: np.ndarray | None
     draws: list[str | None] | None
     digest: bytes | None = None
+    failures: list[tuple[int, int, str]] | None = None
+    pulled: int = 0
 
 
 class WorkerRun:
@@ -163,6 +171,12 @@ class WorkerRun:
         batch_size: items per batch.
         collate_fn: collates the items of a batch (no packing).
         per_sample_rng: also seed torch, numpy and ``random`` per sample.
+        skip_errors: leave out a sample whose loading raises (``on_error="skip"``).
+            It still flows through the shuffle buffer (the id stream is the same with
+            or without failures, so the main process's replica needs no data); it is
+            dropped when the buffer hands it on, and the batch takes the next sample
+            instead. Failures after a worker's last good sample of the epoch ride with
+            its last batch (so each batch is produced one ahead).
     """
 
     def __init__(
@@ -177,8 +191,12 @@ class WorkerRun:
         batch_size: int,
         collate_fn: Callable[[list[Any]], Any],
         per_sample_rng: bool,
+        skip_errors: bool = False,
     ) -> None:
         self.stream = stream
+        self.skip_errors = skip_errors
+        self._failures: list[tuple[int, int, str]] = []  # of the batch being made
+        self._pulled = 0
         self.epoch = plan.epoch
         self.worker = worker
         self.seed = seed
@@ -218,8 +236,21 @@ class WorkerRun:
             )
         self._docs[sid] = (item, None)  # its draws were logged with its first span
 
+    def _next(self, wanted: int = 0) -> Loaded | None:
+        """The next sample that loaded (noting the failed ones before it in
+        :attr:`_failures`), or ``None`` at the end of the epoch."""
+        while True:
+            nxt = self.feed.next(wanted)
+            if nxt is None:
+                return None
+            self._pulled += 1
+            item = nxt[1][0]
+            if not isinstance(item, Failure):
+                return nxt
+            self._failures.append((nxt[0], self._pulled - 1, item.value()))
+
     def _pull(self) -> tuple[int, int] | None:
-        nxt = self.feed.next()
+        nxt = self._next()
         if nxt is None:
             return None
         sid, (item, draws) = nxt
@@ -236,25 +267,68 @@ class WorkerRun:
             yield self._load(base + i, record)
 
     def _load(self, sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
-        return load_sample(self.stream, self.seed, self.epoch, sid, record, self.per_sample_rng)
+        """``(item, draws)``; with ``skip_errors``, ``(Failure, None)`` if it raised."""
+        try:
+            return load_sample(self.stream, self.seed, self.epoch, sid, record, self.per_sample_rng)
+        except Exception as e:
+            if not self.skip_errors:
+                raise
+            return failure_of(0, e), None
+
+    def _batch(self) -> tuple[BatchMeta, Any] | None:
+        """The next batch, collated, or ``None`` at the end of the epoch (its failures, if
+        any, stay in :attr:`_failures`)."""
+        self._failures = []
+        self._pulled = 0
+        if self.stream.packer is None:
+            meta, data = self._items()
+        else:
+            meta, data = self._sequences()
+        if meta.sample_ids.size == 0 and not data:
+            return None
+        if self.skip_errors:
+            meta.failures, meta.pulled = self._failures or None, self._pulled
+        return meta, data if self.stream.packer is not None else self.collate_fn(data)
 
     def batches(self) -> Iterator[tuple[BatchMeta, Any]]:
-        """``(meta, collated batch)`` until the worker's epoch ends (last batch may be short)."""
-        while True:
-            if self.stream.packer is None:
-                meta, data = self._items()
-            else:
-                meta, data = self._sequences()
-            if meta.sample_ids.size == 0 and not data:
-                return
-            yield meta, data if self.stream.packer is not None else self.collate_fn(data)
+        """``(meta, collated batch)`` until the worker's epoch ends (last batch may be short).
+
+        Raises:
+            SampleError: (``skip_errors``) if every sample left to the worker in the
+                epoch failed to load, so no batch can carry the failures.
+        """
+        if not self.skip_errors:
+            while (made := self._batch()) is not None:
+                yield made
+            return
+        pending = None
+        while (made := self._batch()) is not None:
+            if pending is not None:
+                yield pending
+            pending = made
+        if self._failures:  # failed samples after the last good one: with the last batch
+            if pending is None:
+                sid, _, value = self._failures[0]
+                raise SampleError(
+                    f"every sample left to worker {self.worker} in epoch {self.epoch} failed "
+                    f"to load (the first, sample {sid}: {value}): no batch can carry them. "
+                    "Fix the source, or filter these rows out"
+                )
+            meta = pending[0]
+            shift = meta.pulled
+            meta.failures = (meta.failures or []) + [
+                (sid, shift + k, value) for sid, k, value in self._failures
+            ]
+            meta.pulled = shift + self._pulled
+        if pending is not None:
+            yield pending
 
     def _items(self) -> tuple[BatchMeta, Any]:
         ids: list[int] = []
         items: list[Any] = []
         draws: list[str | None] = []
         while len(items) < self.batch_size:
-            nxt = self.feed.next(self.batch_size - len(items))
+            nxt = self._next(self.batch_size - len(items))
             if nxt is None:
                 break
             ids.append(nxt[0])
@@ -316,10 +390,12 @@ class StreamDataset(torch.utils.data.IterableDataset):
         collate_fn: Callable[[list[Any]], Any],
         per_sample_rng: bool,
         digest: bool = True,
+        skip_errors: bool = False,
     ) -> None:
         self.stream = stream
         self.seed = seed
         self.digest = digest
+        self.skip_errors = skip_errors
         self.shuffle = shuffle
         self.rank = rank
         self.world_size = world_size
@@ -369,6 +445,7 @@ class StreamDataset(torch.utils.data.IterableDataset):
                 self.batch_size,
                 self.collate_fn,
                 self.per_sample_rng,
+                self.skip_errors,
             )
         batches = run.batches()
         while True:
