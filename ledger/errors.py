@@ -88,8 +88,9 @@ class Preempted(LedgerError):
 
 class SampleError(LedgerError):
     """Every sample of a batch failed to load under ``on_error="skip"`` (no batch to hand
-    over). The message names the batch and the first exception. Fix the dataset, or skip
-    the batch: resume and call ``loader.skip(1, reason=...)`` (:meth:`ledger.DataLoader.skip`).
+    over), or every sample a stream's worker had left in an epoch. The message names the
+    batch (or worker) and the first exception. Fix the dataset, or skip the batch: resume
+    and call ``loader.skip(1, reason=...)`` (:meth:`ledger.DataLoader.skip`).
     """
 
 

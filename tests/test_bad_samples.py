@@ -311,6 +311,8 @@ def test_the_audit_lists_a_streams_bad_samples(tmp_path, stream_shards):
     loader = _stream_loader(root, stream_shards, True, 0)
     list(loader)
     loader.state_dict()
+    checked = CliRunner().invoke(main, ["audit", root, "--check", "coverage"])
+    assert checked.exit_code == 0, checked.output  # bad samples are accounted for
     out = CliRunner().invoke(main, ["audit", root, "--format", "json"])
     assert out.exit_code == 0, out.output
     listed = json.loads(out.output)["bad_samples"]
