@@ -24,7 +24,9 @@ logging and any position can be computed directly, e.g. after a resume):
 The log names each event's source (the ``source`` column); ``sample_id`` is the index in
 that source. ``ledger audit --check mixture`` compares realised with target shares.
 
-Streams cannot be mixed yet: their order is not random access (see the TODO below).
+A mixture of :class:`ledger.stream.Stream` sources places sources on positions by the
+same blocks, but its positions are dealt to the logical workers and each worker reads
+each source through its own lane of that stream (:mod:`ledger.stream.mixing`).
 """
 
 from __future__ import annotations
@@ -123,22 +125,27 @@ def _counts(weights: dict[str, float], names: Sequence[str]) -> np.ndarray:
 
 
 class Mixture:
-    """Map-style datasets mixed with weights, to hand to :class:`ledger.DataLoader`.
+    """Datasets or streams mixed with weights, to hand to :class:`ledger.DataLoader`.
 
     See the module docstring for the order. ``mixture[i]`` takes a *flat* id: source
     ``s``'s sample ``j`` is ``offsets[s] + j`` (the loader fetches through it; the log
-    records ``source`` and ``j``).
+    records ``source`` and ``j``). A mixture of streams (every source a
+    :class:`ledger.stream.Stream`; :mod:`ledger.stream.mixing`) has no ``mixture[i]``:
+    its sources are read as streams; its ``sample_id`` is a row of the source.
 
     Args:
-        sources: name -> map-style dataset (``__len__``, ``__getitem__``), in a fixed
-            order (it is part of the run's configuration).
+        sources: name -> map-style dataset (``__len__``, ``__getitem__``), or name ->
+            :class:`ledger.stream.Stream` (all of them), in a fixed order (it is part of
+            the run's configuration).
         weights: name -> weight (normalised), or a :class:`Schedule`.
-        epoch_size: positions per mixture epoch (default: the sources' total length).
+        epoch_size: positions per mixture epoch (default: the sources' total length,
+            in rows for streams).
 
     Raises:
         ValueError: if there is no source, a source is empty, a weight names no
-            source, or ``epoch_size < 1``.
-        UnsupportedArgument: if a source is a stream or a mixture.
+            source, ``epoch_size < 1``, or streams pack differently.
+        UnsupportedArgument: if a source is a mixture, or streams and map-style datasets
+            are mixed.
     """
 
     def __init__(
@@ -154,20 +161,38 @@ class Mixture:
             raise ValueError("a Mixture needs at least one source")
         self.names: tuple[str, ...] = tuple(str(n) for n in sources)
         self.sources: tuple[Any, ...] = tuple(sources.values())
+        streams = [isinstance(ds, Stream) for ds in self.sources]
+        self.streams = all(streams)
+        """Every source is a stream (:mod:`ledger.stream.mixing`)."""
+        if any(streams) and not self.streams:
+            # A map-style source's order is random access and fetched by the main order;
+            # a stream is read through per-worker lanes: one position cannot be both.
+            name = self.names[streams.index(True)]
+            other = self.names[streams.index(False)]
+            raise UnsupportedArgument(
+                f"source {name!r} is a Stream and source {other!r} is not: a Mixture mixes "
+                "map-style datasets, or streams, not both. Wrap the map-style dataset's "
+                "rows in a Parquet or JSONL shard and mix two streams"
+            )
+        if self.streams:
+            from ledger.stream.mixing import check_sources
+
+            check_sources(self.sources, self.names)
         for name, ds in zip(self.names, self.sources, strict=True):
-            if isinstance(ds, Stream | Mixture):
-                # TODO(mixture-streams): a stream's order is per logical worker and not
-                # random access; mixing streams needs per-worker mixing state.
+            if isinstance(ds, Mixture):
                 raise UnsupportedArgument(
-                    f"source {name!r} is a {type(ds).__name__}: a Mixture mixes map-style "
-                    "datasets (__len__ and __getitem__) only, for now"
+                    f"source {name!r} is a Mixture: mix its sources into this one instead"
                 )
+            if self.streams:
+                continue
             if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
                 raise UnsupportedArgument(
                     f"source {name!r} ({type(ds).__name__}) is not a map-style dataset "
                     "(__len__ and __getitem__)"
                 )
-        self.lengths = np.array([len(ds) for ds in self.sources], np.int64)
+        self.lengths = np.array(
+            [ds.source.num_rows if self.streams else len(ds) for ds in self.sources], np.int64
+        )
         empty = [n for n, k in zip(self.names, self.lengths.tolist(), strict=True) if k == 0]
         if empty:
             raise ValueError(f"source {empty[0]!r} is empty")
@@ -193,7 +218,13 @@ class Mixture:
         return self.epoch_size
 
     def __getitem__(self, flat: int) -> Any:
-        """The sample of a flat id (``offsets[s] + j``: sample ``j`` of source ``s``)."""
+        """The sample of a flat id (``offsets[s] + j``: sample ``j`` of source ``s``).
+
+        Raises:
+            TypeError: for a mixture of streams (no random access).
+        """
+        if self.streams:
+            raise TypeError("a Mixture of streams has no random access (mixture[i])")
         s = int(np.searchsorted(self.offsets, flat, side="right")) - 1
         if not 0 <= s < len(self.sources) or flat < 0:
             raise IndexError(f"flat id {flat} is outside [0, {int(self.offsets[-1])})")
@@ -220,6 +251,25 @@ class Mixture:
         """Flat ids -> ``(source codes int16, sample ids in their source int64)``."""
         codes = np.searchsorted(self.offsets, flat, side="right") - 1
         return codes.astype(np.int16), flat - self.offsets[codes]
+
+    @property
+    def total(self) -> int:
+        """Samples (or rows) in all sources: the number of flat ids."""
+        return int(self.offsets[-1])
+
+    def ext_id(self, epoch: Any, source: int, row: Any) -> Any:
+        """Extended id of row(s) of a source in a source epoch: ``epoch * total +
+        offsets[source] + row`` (int or ``int64`` arrays; mixtures of streams)."""
+        return epoch * self.total + int(self.offsets[source]) + row
+
+    def split_ext(self, ext: Any) -> tuple[Any, Any, Any]:
+        """Extended ids -> ``(source epoch, source index, row in the source)``."""
+        epoch, flat = np.divmod(np.asarray(ext, np.int64), self.total)
+        source = np.searchsorted(self.offsets, flat, side="right") - 1
+        row = flat - self.offsets[source]
+        if np.ndim(ext) == 0:
+            return int(epoch), int(source), int(row)
+        return epoch, source, row
 
     def join(self, names: Sequence[str | None], ids: np.ndarray) -> np.ndarray:
         """Sources by name and ids in them -> flat ids (``-1`` for an unknown source)."""

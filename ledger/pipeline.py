@@ -189,6 +189,10 @@ def build(dataset: Any, settings: LoaderSettings) -> Pipeline:
     from ledger.stream.spec import Stream
 
     if isinstance(dataset, Mixture):
+        if dataset.streams:
+            from ledger.stream.mixing import MixedStreamPipeline
+
+            return MixedStreamPipeline(dataset, settings)
         from ledger.mixture import MixturePipeline
 
         return MixturePipeline(dataset, settings)

@@ -21,6 +21,10 @@ import duckdb
 from ledger.commits import read_attempt
 from ledger.store import Store
 
+_SAMPLES = "(kind = 'sample' OR (kind = 'span' AND token_start = 0))"
+"""The events that consume one position of a mixture: a sample, or the first span of a
+packed sample (a mixture of packed streams)."""
+
 Z = 4.0
 """Binomial standard deviations a realised count may stray from its target."""
 
@@ -105,7 +109,7 @@ def _counts(
         SELECT CASE {whens} END AS piece, source, count(*) AS n FROM (
             SELECT CAST(source AS VARCHAR) AS source,
                    CAST(epoch AS BIGINT) * {size} + position AS p
-            FROM lineage WHERE kind = 'sample'
+            FROM lineage WHERE {_SAMPLES}
         ) GROUP BY ALL ORDER BY 1, 2
         """
     ).fetchall()
@@ -171,7 +175,7 @@ def shares_over_steps(
 ) -> list[tuple[int, int, dict[str, float]]]:
     """Realised shares per stretch of steps (rank batches): ``(first step, last step,
     {source: share})``, ``buckets`` stretches of equal length over the lineage."""
-    rows = con.execute("SELECT max(batch) FROM lineage WHERE kind = 'sample'").fetchone()
+    rows = con.execute(f"SELECT max(batch) FROM lineage WHERE {_SAMPLES}").fetchone()
     last = int(rows[0]) if rows and rows[0] is not None else -1
     if last < 0:
         return []
@@ -180,7 +184,7 @@ def shares_over_steps(
     counts = con.execute(
         f"""
         SELECT batch // {width} AS b, CAST(source AS VARCHAR), count(*)
-        FROM lineage WHERE kind = 'sample' GROUP BY ALL ORDER BY 1
+        FROM lineage WHERE {_SAMPLES} GROUP BY ALL ORDER BY 1
         """
     ).fetchall()
     by: dict[int, dict[str, int]] = {}

@@ -84,6 +84,7 @@ class ShardedSource:
         self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         self._cache: tuple[int, int, list[dict[str, Any]]] | None = None
         self._digests: Store | None = None  # see record_digests
+        self._digests_under = "data/rowgroups"
         self._known: dict[tuple[int, int], str] = {}
 
     # -------------------------------------------------------------- metadata
@@ -201,7 +202,7 @@ class ShardedSource:
             return self._cache[2][row - int(starts[g])]
         return self._jsonl_rows(shard, row, row + 1)[0]
 
-    def record_digests(self, store: Store | None) -> None:
+    def record_digests(self, store: Store | None, under: str = "data/rowgroups") -> None:
         """Record each Parquet row group's digest in ``store`` the first time it is read,
         and check it on every later read (a resume re-reading buffered rows, a later
         epoch): a same-size edit inside a data page, which the footer fingerprint of
@@ -209,9 +210,12 @@ class ShardedSource:
         row group. JSONL shards are hashed whole by the fingerprint already.
 
         Args:
-            store: the log root (digests go to ``data/rowgroups/``), or ``None`` to stop.
+            store: the log root (digests go to ``under``), or ``None`` to stop.
+            under: the folder of this source's digests (a mixture gives each source its
+                own).
         """
         self._digests = store
+        self._digests_under = under
         self._known = {}
 
     def _checked(self, shard: int, g: int, table: pa.Table) -> list[dict[str, Any]]:
@@ -229,7 +233,7 @@ class ShardedSource:
         key = (shard, g)
         recorded = self._known.get(key)
         if recorded is None:
-            rel = f"data/rowgroups/shard={shard}/{g}.sha256"
+            rel = f"{self._digests_under}/shard={shard}/{g}.sha256"
             try:
                 recorded = store.read_bytes(rel).decode(errors="replace").strip()
             except FileNotFoundError:

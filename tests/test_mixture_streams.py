@@ -1,0 +1,239 @@
+"""Mixtures of streams (ledger.Mixture of ledger.stream.Stream sources): exact resume
+packed and not with any workers, elastic resume, each source's own epochs, realised
+shares against the ground truth, and the mixture audit."""
+
+from __future__ import annotations
+
+import os
+from itertools import pairwise
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+import ledger
+from ledger.audit import connect
+from ledger.cli import main
+from ledger.errors import UnsupportedArgument
+from ledger.mixture import Mixture
+from ledger.stream import Packer, SampleContext, ShardedSource, Stream
+from ledger.testing import assert_resume_exact, batches_equal, take
+
+CODE_ROWS = (5, 4, 3)  # 12 rows in 3 shards: the small source, repeated
+PROSE_ROWS = (9, 8, 7, 6)  # 30 rows in 4 shards
+EPOCH = sum(CODE_ROWS) + sum(PROSE_ROWS)  # positions per mixture epoch (the default)
+
+
+def _write(folder, name: str, rows: tuple[int, ...]) -> ShardedSource:
+    d = folder / name
+    d.mkdir()
+    k = 0
+    for s, n in enumerate(rows):
+        texts = [f"{name} {k + i} " + "xyz"[: (k + i) % 4] for i in range(n)]
+        table = pa.table({"text": texts, "row": list(range(k, k + n))})
+        pq.write_table(table, d / f"part-{s}.parquet", row_group_size=2)
+        k += n
+    return ShardedSource(str(d / "*.parquet"))
+
+
+@pytest.fixture
+def sources(tmp_path):
+    return _write(tmp_path, "code", CODE_ROWS), _write(tmp_path, "prose", PROSE_ROWS)
+
+
+def tokenize(record, ctx: SampleContext):
+    ctx.record(flip=int(ctx.rng.integers(0, 2)))
+    return np.frombuffer(record["text"].encode(), np.uint8).astype(np.int64) + 1
+
+
+def texts(rows):
+    return [r["text"] for r in rows]
+
+
+def mixture(sources, packing: bool, weights=None) -> Mixture:
+    code, prose = sources
+    packer = Packer(seq_len=8) if packing else None
+    transform = tokenize if packing else None
+    return Mixture(
+        {
+            "code": Stream(code, transform=transform, shuffle_buffer=3, packer=packer),
+            "prose": Stream(prose, transform=transform, shuffle_buffer=4, packer=packer),
+        },
+        weights=weights or {"code": 0.6, "prose": 0.4},
+    )
+
+
+def loader(sources, root, packing: bool, workers: int, seed: int = 5) -> ledger.DataLoader:
+    return ledger.DataLoader(
+        mixture(sources, packing),
+        batch_size=3,
+        shuffle=True,
+        seed=seed,
+        num_workers=workers,
+        log=root,
+        collate_fn=None if packing else texts,
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("packing", [False, True])
+def test_stream_mixture_resumes_exactly(sources, root, packing, workers) -> None:
+    def make() -> ledger.DataLoader:
+        return loader(sources, root, packing, workers)
+
+    # 42 positions per mixture epoch: 36 batches cross two of them unpacked (three
+    # packed), and the small source's epochs many times.
+    at = None if workers == 0 else [3, 12, 15, 27]
+    assert assert_resume_exact(make, batches=36, every=3, resume_at=at) == (12 if at is None else 4)
+
+
+def served(current: ledger.DataLoader, batches: int) -> list:
+    """``batches`` batches, then a commit (the lineage holds them)."""
+    out = list(take(current, batches))
+    current.state_dict()
+    return out
+
+
+def _lineage(root: str) -> tuple[list[tuple], int]:
+    con = connect(root)
+    rows = con.execute(
+        """
+        SELECT epoch, position, CAST(source AS VARCHAR), sample_id, worker, kind,
+               token_start, token_end, length
+        FROM lineage WHERE kind IN ('sample', 'span') ORDER BY batch, worker
+        """
+    ).fetchall()
+    last = con.execute("SELECT max(epoch) FROM lineage").fetchone()[0]
+    return rows, int(last)
+
+
+def _check_positions_and_sources(mix: Mixture, seed: int, rows: list[tuple], last: int) -> None:
+    """Each finished mixture epoch: every position once, of the source the mixture's
+    counter-based function gives; every packed sample's tokens once."""
+    firsts = [r for r in rows if r[5] == "sample" or r[6] == 0]
+    for epoch in range(last):
+        mine = [r for r in firsts if r[0] == epoch]
+        positions = np.array([r[1] for r in mine], np.int64)
+        assert sorted(positions.tolist()) == list(range(EPOCH)), epoch
+        truth = mix.sources_at(seed, positions + epoch * EPOCH)
+        assert [r[2] for r in mine] == [mix.names[s] for s in truth.tolist()]
+    spans = [r for r in rows if r[5] == "span" and r[0] < last]
+    if spans:
+        tokens: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for r in spans:
+            tokens.setdefault((r[0], r[1]), []).append((r[6], r[7], r[8]))
+        assert len(tokens) == EPOCH * last
+        for key, parts in tokens.items():
+            length = parts[0][2]
+            covered = sorted((a, b) for a, b, _ in parts)
+            assert covered[0][0] == 0 and covered[-1][1] == length, key
+            assert all(x[1] == y[0] for x, y in pairwise(covered)), key
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_each_position_once_of_its_source_and_each_source_epoch_once(
+    sources, root, packing
+) -> None:
+    assert served(loader(sources, root, packing, 2, seed=7), 60)
+    rows, last = _lineage(root)
+    assert last >= 2
+    mix = mixture(sources, packing)
+    _check_positions_and_sources(mix, 7, rows, last)
+    # Each source keeps its own epochs: every lane serves its share of each source epoch
+    # once before the next, so per source the counts of its samples differ by at most 1
+    # per lane (two logical workers here) and every sample is served.
+    firsts = [r for r in rows if r[5] == "sample" or r[6] == 0]
+    for name, n in (("code", sum(CODE_ROWS)), ("prose", sum(PROSE_ROWS))):
+        counts = np.bincount([r[3] for r in firsts if r[2] == name], minlength=n)
+        assert counts.size == n
+        assert counts.min() >= 1 and counts.max() - counts.min() <= 2, (name, counts)
+    code = sum(1 for r in firsts if r[2] == "code")
+    assert code >= 3 * sum(CODE_ROWS)  # the small source repeated
+
+
+def test_realised_shares_equal_the_ground_truth_and_audit_passes(sources, root) -> None:
+    served(loader(sources, root, False, 2, seed=11), 40)
+    rows, _ = _lineage(root)
+    mix = mixture(sources, False)
+    # Ground truth: the mixture's counter-based source of each served position.
+    got = {"code": 0, "prose": 0}
+    want = {"code": 0, "prose": 0}
+    for r in rows:
+        got[r[2]] += 1
+        want[mix.names[int(mix.sources_at(11, np.array([r[0] * EPOCH + r[1]]))[0])]] += 1
+    assert got == want
+    # Whole blocks realise the weights exactly: the first 1000 positions hold 600 code.
+    assert int((mix.sources_at(11, np.arange(1000)) == 0).sum()) == 600
+    out = CliRunner().invoke(main, ["audit", root, "--check", "mixture", "--check", "coverage"])
+    assert out.exit_code == 0, out.output
+    assert "shares within" in out.output
+
+
+def test_audit_fails_a_stream_mixture_whose_shares_are_off(sources, root) -> None:
+    """The check can fail: a log whose config claims other weights than it served."""
+    import json
+
+    served(loader(sources, root, True, 0), 60)
+    path = os.path.join(root, "run.json")
+    with open(path) as f:
+        run = json.load(f)
+    run["config"]["mixture"]["targets"] = [{"code": 0.1, "prose": 0.9}]
+    with open(path, "w") as f:
+        json.dump(run, f)
+    out = CliRunner().invoke(main, ["audit", root, "--check", "mixture"])
+    assert out.exit_code != 0, out.output
+    assert "off target" in out.output
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(2, 5), (0, 4)],  # workers, batches served before the next change
+        [(1, 7), (3, 4), (2, 9)],  # several changes, some inside one carried epoch
+    ],
+)
+def test_elastic_resume_serves_each_position_and_sample_once(
+    sources, root, packing, shapes
+) -> None:
+    """Mid-epoch changes of the logical workers (num_workers; a world size change is the
+    same change of shape), with buffers and packed samples in flight."""
+    token = None
+    for workers, batches in shapes:
+        current = loader(sources, root, packing, workers)
+        if token is not None:
+            current.load_state_dict(token)
+        list(take(current, batches))
+        token = current.state_dict()
+    third = loader(sources, root, packing, 3)
+    third.load_state_dict(token)
+    list(take(third, 2))
+    inside = third.state_dict()  # a commit inside an epoch carried from the old shapes
+    reference = list(take(third, 40))
+    third.state_dict()
+    again = loader(sources, root, packing, 3)
+    again.load_state_dict(inside)
+    assert all(batches_equal(a, b) for a, b in zip(take(again, 40), reference, strict=True))
+    rows, last = _lineage(root)
+    assert last >= 2
+    _check_positions_and_sources(mixture(sources, packing), 5, rows, last)
+    out = CliRunner().invoke(main, ["audit", root, "--check", "mixture"])
+    assert out.exit_code == 0, out.output
+
+
+def test_a_stream_mixture_refuses_what_it_cannot_mix(sources) -> None:
+    from conftest import Based
+
+    code, prose = sources
+    with pytest.raises(UnsupportedArgument, match="not both"):
+        Mixture({"code": Stream(code), "b": Based(3, 0)}, weights={"code": 1, "b": 1})
+    with pytest.raises(ValueError, match="share one packer"):
+        Mixture(
+            {"code": Stream(code, packer=Packer(8)), "prose": Stream(prose)},
+            weights={"code": 1, "prose": 1},
+        )
+    mix = mixture(sources, False)
+    with pytest.raises(TypeError, match="no random access"):
+        mix[0]
