@@ -31,7 +31,7 @@ from ledger.commits import (
     parsing_once,
     read_run,
 )
-from ledger.errors import BatchSkipped, CommitNotFound, LedgerError
+from ledger.errors import BatchSkipped, CommitNotFound, LedgerError, UnsupportedArgument
 from ledger.schema import BATCH, ERROR, EVENT_SCHEMA, ROLLBACK, SAMPLE, SPAN
 from ledger.store import Store
 
@@ -440,6 +440,7 @@ def materialize(
         CommitNotFound: if the lineage holds no such batch.
         BatchSkipped: if the batch was skipped on purpose (the model never saw it).
         LedgerError: if the dataset's length differs from the run's.
+        UnsupportedArgument: for a :class:`ledger.Mixture` of streams (not yet).
     """
     import torch.utils.data as tud
 
@@ -458,6 +459,13 @@ def materialize(
         raise BatchSkipped(
             f"batch {batch} of rank {rank} was skipped ({record.skip_reason}): the model "
             "never saw it, there is nothing to re-create"
+        )
+    if isinstance(dataset, Mixture) and dataset.streams:
+        # TODO(mixture-streams-materialize): a sample's transform is seeded by its source
+        # epoch, which a lane knows and the log does not record.
+        raise UnsupportedArgument(
+            "re-creating a batch of a Mixture of streams is not supported yet: its "
+            "samples' seeds depend on each source's epoch, which the log does not record"
         )
     if isinstance(dataset, Stream):
         data = rebuild_batch(dataset, seed, record.epoch, record.events, rng == "sample", collate)

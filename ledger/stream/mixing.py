@@ -49,79 +49,30 @@ batches a packed mixture yields name samples by *flat id*, ``offsets[source] + r
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 import torch.utils.data as tud
 
 from ledger import segments
 from ledger.commits import Commit, PipelineState, WorkerState, newest_segments, read_commit
-from ledger.digest import digest_bytes
-from ledger.errors import LedgerError, LogCorrupted, UnsupportedArgument
-from ledger.order import derive_key, rngs_preserved
+from ledger.errors import ConfigMismatch, LedgerError, LogCorrupted, UnsupportedArgument
 from ledger.pipeline import LoaderSettings, unchanged_phase
 from ledger.schema import BUFFER, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
-from ledger.stream.packing import PackState, Tail, assemble
-from ledger.stream.plan import EpochPlan, buffer_key
+from ledger.stream.lanes import EMPTY, Lanes, Positions, cut, lane_pieces, source_seed
+from ledger.stream.mixer import MixedDataset, MixedReplica, WorkerPlan
+from ledger.stream.packing import Tail
 from ledger.stream.replica import next_worker
-from ledger.stream.sample import load_sample
-from ledger.stream.shuffle import IdFeed, Piece
-from ledger.stream.source import ShardedSource
-from ledger.stream.worker import BatchMeta, Feed, _drawn, identity
+from ledger.stream.shuffle import Piece
+from ledger.stream.worker import BatchMeta, identity
 
 if TYPE_CHECKING:
     from ledger.mixture import Mixture
-    from ledger.stream.spec import Stream
-
-_EMPTY = np.zeros(0, np.int64)
-
-
-def source_seed(seed: int, name: str) -> int:
-    """The seed of a mixture source (as for map-style sources): its lanes' plans,
-    buffers and samples are keyed by it."""
-    return derive_key(seed, zlib.crc32(name.encode()))
-
-
-# ---------------------------------------------------------------------- positions
-
-
-@dataclass(frozen=True, slots=True)
-class Positions:
-    """The positions one logical worker takes in one mixture epoch, in order: ``gap``,
-    then ``first, first + stride, ...`` below ``n``.
-
-    Attributes:
-        gap: ``int64 (k,)``: positions an earlier shape left below ``first - gw``.
-        first: the first position of the progression.
-        stride: ``world_size * workers``.
-        n: positions per mixture epoch.
-    """
-
-    gap: np.ndarray
-    first: int
-    stride: int
-    n: int
-
-    @property
-    def count(self) -> int:
-        """Positions in all."""
-        return self.gap.size + max(0, -(-(self.n - self.first) // self.stride))
-
-    def at(self, j: int, m: int) -> np.ndarray:
-        """Positions ``j .. j + m - 1`` (fewer at the end), ``int64``."""
-        k = np.arange(j, min(j + m, self.count), dtype=np.int64)
-        g = self.gap.size
-        out = self.first + (k - g) * self.stride
-        inside = k < g
-        out[inside] = self.gap[k[inside]]
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,555 +105,6 @@ class Reshape:
 
     epochs: dict[int, EpochLeft]
     lanes: list[tuple[int, dict[int, tuple[list[Piece], list[Tail]]]]]
-
-
-@dataclass(slots=True)
-class WorkerPlan:
-    """What one logical worker needs to run its part of a mixture epoch (sent to torch's
-    worker processes; no store access there).
-
-    Attributes:
-        positions: its positions in the epoch.
-        tails: samples to finish first (extended ids) and ``tail_positions`` theirs.
-        lanes: per source: ``(source epoch, pieces of that epoch)``.
-    """
-
-    positions: Positions
-    tails: list[Tail]
-    tail_positions: list[int]
-    lanes: list[tuple[int, list[Piece]]]
-    buffers: list[list[int]] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------------- lanes
-
-
-def lane_pieces(
-    source: ShardedSource, seed: int, epoch: int, shuffle: bool, total: int, gw: int
-) -> list[Piece]:
-    """The rows of a source's epoch that lane ``gw`` of ``total`` reads: the shards in the
-    stream's seeded order (:class:`ledger.stream.plan.EpochPlan`), concatenated and cut
-    into ``total`` runs of equal rows (within one); run ``gw``, as pieces.
-
-    Equal rows, not whole shards as a plain stream deals: every lane of a source takes
-    about the same number of its samples, so lanes dealt whole shards of unequal sizes
-    would cycle through their source epochs at unequal rates, and serve some samples
-    more often than others.
-    """
-    order = EpochPlan(source, seed, epoch, shuffle, 1, 1).order
-    shards = [(int(f), 0, source.shard_rows(int(f))) for f in order.tolist()]
-    return cut(shards, total, gw)
-
-
-def cut(pieces: list[Piece], total: int, gw: int) -> list[Piece]:
-    """Run ``gw`` of ``total`` runs of equal rows (within one) of the rows of ``pieces``
-    in order."""
-    rows = np.array([stop - start for _, start, stop in pieces], np.int64)
-    ends = np.cumsum(rows)
-    n = int(ends[-1]) if ends.size else 0
-    lo, hi = gw * n // total, (gw + 1) * n // total
-    out: list[Piece] = []
-    i = int(np.searchsorted(ends, lo, side="right"))
-    while lo < hi and i < len(pieces):
-        shard, start, _ = pieces[i]
-        first = int(ends[i] - rows[i])
-        stop = min(hi, int(ends[i]))
-        if stop > lo:
-            out.append((shard, start + lo - first, start + stop - first))
-        lo = max(lo, stop)
-        i += 1
-    return out
-
-
-class _Lanes:
-    """How the lanes of one logical worker roll on to fresh source epochs (picklable)."""
-
-    def __init__(
-        self,
-        mixture: Mixture,
-        seed: int,
-        shuffle: bool,
-        rank: int,
-        world: int,
-        workers: int,
-        worker: int,
-    ) -> None:
-        self.streams: tuple[Stream, ...] = mixture.sources
-        self.seeds = [source_seed(seed, n) for n in mixture.names]
-        self.names = mixture.names
-        self.shuffle = shuffle
-        self.rank = rank
-        self.world = world
-        self.workers = workers
-        self.worker = worker
-
-    def fresh(self, s: int, epoch: int) -> list[Piece]:
-        """The pieces of source ``s``'s ``epoch`` for this worker in a fresh plan."""
-        return lane_pieces(
-            self.streams[s].source, self.seeds[s], epoch, self.shuffle,
-            self.world * self.workers, self.rank * self.workers + self.worker,
-        )  # fmt: skip
-
-    def key(self, s: int, epoch: int) -> int:
-        return buffer_key(self.seeds[s], epoch, self.rank, self.worker)
-
-    def stuck(self, s: int, epoch: int) -> LedgerError:
-        return LedgerError(
-            f"source {self.names[s]!r} gives logical worker {self.worker} of rank "
-            f"{self.rank} no row in its epoch {epoch}: a source needs at least "
-            f"world_size * num_workers ({self.world * self.workers}) rows"
-        )
-
-
-class _LaneIds:
-    """Ids-only lane (the main process's replica): an :class:`IdFeed` per source epoch."""
-
-    def __init__(
-        self,
-        lanes: _Lanes,
-        s: int,
-        epoch: int,
-        pieces: list[Piece],
-        state: WorkerState,
-        buffer: list[int],
-    ) -> None:
-        self.lanes = lanes
-        self.s = s
-        self.epoch = epoch
-        stream = lanes.streams[s]
-        self.feed = IdFeed(
-            stream.source, pieces, state, buffer, stream.shuffle_buffer, lanes.key(s, epoch)
-        )
-
-    def take(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The lane's next ``k`` sample ids (rows of its source) and the source epoch of
-        each, rolling over epochs."""
-        got = self.feed.take(k)
-        if got.size == k:
-            return got, np.full(k, self.epoch, np.int64)
-        parts = [got]
-        epochs = [np.full(got.size, self.epoch, np.int64)]
-        have = got.size
-        fruitless = 0
-        while have < k:
-            self.epoch += 1
-            stream = self.lanes.streams[self.s]
-            pieces = self.lanes.fresh(self.s, self.epoch)
-            self.feed = IdFeed(
-                stream.source,
-                pieces,
-                WorkerState(0),
-                [],
-                stream.shuffle_buffer,
-                self.lanes.key(self.s, self.epoch),
-            )
-            more = self.feed.take(k - have)
-            fruitless = 0 if more.size else fruitless + 1
-            if fruitless > 1:
-                raise self.lanes.stuck(self.s, self.epoch)
-            parts.append(more)
-            epochs.append(np.full(more.size, self.epoch, np.int64))
-            have += more.size
-        return np.concatenate(parts), np.concatenate(epochs)
-
-    def state(self) -> WorkerState:
-        f = self.feed
-        return WorkerState(self.epoch, f.shard, f.row, f.rows_read, f.draws, f.emitted)
-
-
-class _LaneFeed:
-    """A lane in a worker: reads, transforms and shuffles one source's rows."""
-
-    def __init__(
-        self,
-        lanes: _Lanes,
-        s: int,
-        epoch: int,
-        pieces: list[Piece],
-        state: WorkerState,
-        buffer: list[int],
-        seed: int,
-        per_sample_rng: bool,
-    ) -> None:
-        self.lanes = lanes
-        self.s = s
-        self.stream = lanes.streams[s]
-        self.seed = lanes.seeds[s]
-        self.per_sample_rng = per_sample_rng
-        self.epoch = epoch
-        source = self.stream.source
-        payloads = [self._load(i, r) for i, r in zip(buffer, source.read(buffer), strict=True)]
-        self.feed = self._feed(pieces, state, buffer, payloads)
-
-    def _feed(
-        self, pieces: list[Piece], state: WorkerState, buffer: list[int], payloads: list[Any]
-    ) -> Feed:
-        return Feed(
-            self.stream.source,
-            pieces,
-            state,
-            buffer,
-            payloads,
-            self.stream.shuffle_buffer,
-            self.lanes.key(self.s, self.epoch),
-            self._read,
-        )
-
-    def _load(self, sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
-        return load_sample(self.stream, self.seed, self.epoch, sid, record, self.per_sample_rng)
-
-    def _read(self, shard: int, row: int, stop: int) -> Iterator[tuple[Any, str | None]]:
-        source = self.stream.source
-        base = int(source.offsets[shard]) + row
-        if stop - row == 1:
-            yield self._load(base, source.read([base])[0])
-            return
-        for i, record in enumerate(source.iter_shard(shard, row)):
-            yield self._load(base + i, record)
-
-    def next(self) -> tuple[int, Any]:
-        """The lane's next ``(row id, (item, draws))``, rolling over source epochs."""
-        fruitless = 0
-        while True:
-            got = self.feed.next()
-            if got is not None:
-                return got
-            fruitless += 1
-            if fruitless > 2:
-                raise self.lanes.stuck(self.s, self.epoch)
-            self.epoch += 1
-            self.feed = self._feed(self.lanes.fresh(self.s, self.epoch), WorkerState(0), [], [])
-
-
-# ---------------------------------------------------------------------- the worker
-
-
-class MixedRun:
-    """One logical worker of a stream mixture in a torch worker: mixes, packs, batches.
-
-    Args:
-        mixture: the mixture.
-        plan: the worker's plan of the epoch.
-        state: its mixer's state; ``lanes``: its lanes' states.
-        epoch: the mixture epoch.
-        seed, batch_size, collate_fn, per_sample_rng: as for a stream's worker.
-    """
-
-    def __init__(
-        self,
-        mixture: Mixture,
-        lanes: _Lanes,
-        plan: WorkerPlan,
-        mixer: WorkerState,
-        lane_states: list[WorkerState],
-        epoch: int,
-        seed: int,
-        batch_size: int,
-        collate_fn: Callable[[list[Any]], Any],
-        per_sample_rng: bool,
-    ) -> None:
-        self.mixture = mixture
-        self.worker = lanes.worker
-        self.epoch = epoch
-        self.seed = seed
-        self.batch_size = batch_size
-        self.collate_fn = collate_fn
-        self.offsets = mixture.offsets
-        self.positions = plan.positions
-        self.k = mixer.emitted
-        self.lanes = [
-            _LaneFeed(lanes, s, e, pieces, st, buf, seed, per_sample_rng)
-            for s, ((e, pieces), st, buf) in enumerate(
-                zip(plan.lanes, lane_states, plan.buffers, strict=True)
-            )
-        ]
-        self.packer = mixture.sources[0].packer
-        self._queue: list[int] = []  # sources of the next positions
-        self._current: np.ndarray | None = None  # tokens of the sample in progress
-        doc = (mixer.doc, mixer.doc_offset, mixer.doc_length) if mixer.doc >= 0 else None
-        self.packing = PackState(doc, list(mixer.tails), f"worker {self.worker}")
-        if doc is not None:
-            self._current = self._reopen(doc)
-        self._opened: list[tuple[np.ndarray, str | None]] = []
-
-    def _sources(self, m: int) -> None:
-        """Queue the sources of the next ``m`` positions (at least)."""
-        done = self.k + len(self._queue)
-        ps = self.positions.at(done, max(m, 64))
-        if ps.size:
-            epoch_base = self.epoch * self.mixture.epoch_size
-            self._queue += self.mixture.sources_at(self.seed, ps + epoch_base).tolist()
-
-    def _next(self) -> tuple[int, Any] | None:
-        """The next mixed sample: ``(extended id, (item, draws))``, or ``None`` at the end."""
-        if not self._queue:
-            self._sources(1)
-            if not self._queue:
-                return None
-        s = self._queue.pop(0)
-        self.k += 1
-        lane = self.lanes[s]
-        row, loaded = lane.next()
-        return self.mixture.ext_id(lane.epoch, s, row), loaded
-
-    def _reopen(self, tail: Tail) -> np.ndarray:
-        """The tokens of a sample begun before (a tail, or the sample in progress)."""
-        ext, _, length = tail
-        epoch, s, row = self.mixture.split_ext(ext)
-        lane = self.lanes[s]
-        with rngs_preserved(True):
-            item, _ = load_sample(
-                lane.stream,
-                lane.seed,
-                epoch,
-                row,
-                lane.stream.source.read([row])[0],
-                lane.per_sample_rng,
-            )
-        if len(item) != length:
-            raise LedgerError(
-                f"sample {row} of source {self.mixture.names[s]!r} has {len(item)} tokens "
-                f"now, the log says {length}: the transform is not deterministic"
-            )
-        return np.asarray(item)
-
-    def batches(self) -> Iterator[tuple[BatchMeta, Any]]:
-        """``(meta, batch)`` until the worker's part of the epoch ends."""
-        while True:
-            meta, data = self._items() if self.packer is None else self._sequences()
-            if meta.sample_ids.size == 0:
-                return
-            yield meta, data
-
-    def _items(self) -> tuple[BatchMeta, Any]:
-        ids: list[int] = []
-        items: list[Any] = []
-        draws: list[str | None] = []
-        self._sources(self.batch_size)
-        while len(ids) < self.batch_size:
-            nxt = self._next()
-            if nxt is None:
-                break
-            ids.append(nxt[0])
-            items.append(nxt[1][0])
-            draws.append(nxt[1][1])
-        meta = BatchMeta(self.worker, self.epoch, np.array(ids, np.int64), None, _drawn(draws))
-        return meta, self.collate_fn(items) if items else None
-
-    def _pull(self) -> tuple[int, int] | None:
-        nxt = self._next()
-        if nxt is None:
-            return None
-        flat, (item, draws) = nxt
-        self._opened.append((item, draws))
-        return flat, len(item)
-
-    def _open_tail(self, tail: Tail) -> None:
-        self._opened.append((self._reopen(tail), None))  # its draws were logged before
-
-    def _sequences(self) -> tuple[BatchMeta, Any]:
-        packer = self.packer
-        assert packer is not None
-        self._opened = []
-        before = self.packing.doc
-        chosen = self.packing.pack(packer.seq_len, self.batch_size, self._pull, self._open_tail)
-        # The tokens of each span: the sample in progress, then the samples opened here in
-        # order (one sample id may come twice in a batch: a small source repeats).
-        docs: list[np.ndarray] = []
-        draws: list[str | None] = []
-        opened = iter(self._opened)
-        current = self._current
-        for i, (_, start, _, _) in enumerate(chosen):
-            begins = before is None if i == 0 else chosen[i - 1][2] >= chosen[i - 1][3]
-            if begins:
-                current, drawn = next(opened)
-                draws.append(drawn if start == 0 else None)
-            else:
-                draws.append(None)
-            assert current is not None
-            docs.append(current)
-        self._current = current if self.packing.doc is not None else None
-        ids = [sid for sid, _, _, _ in chosen]
-        spans = [(start, end, length) for _, start, end, length in chosen]
-        meta = BatchMeta(
-            self.worker,
-            self.epoch,
-            np.array(ids, np.int64),
-            np.array(spans, np.int64).reshape(-1, 3),
-            _drawn(draws),
-        )
-        if not chosen:
-            return meta, None
-        nth = iter(docs)
-        flat = (np.array(ids, np.int64) % self.mixture.total).tolist()
-        return meta, assemble(packer, flat, spans, lambda _sid: next(nth))
-
-
-class MixedDataset(tud.IterableDataset):
-    """What torch's DataLoader iterates for a stream mixture: physical worker ``p`` plays
-    logical worker ``(p + start.next_worker) % workers`` (as :class:`StreamDataset`)."""
-
-    def __init__(self, mixture: Mixture, settings: LoaderSettings, workers: int) -> None:
-        self.mixture = mixture
-        self.seed = settings.seed
-        self.shuffle = settings.shuffle
-        self.rank = settings.rank
-        self.world = settings.world_size
-        self.workers = workers
-        self.batch_size = settings.batch_size
-        self.collate_fn = settings.collate_fn
-        self.per_sample_rng = settings.rng == "sample"
-        self.digest = settings.digest
-        self.start: PipelineState | None = None
-        self.plans: list[WorkerPlan] = []
-
-    def __iter__(self) -> Iterator[tuple[BatchMeta, Any]]:
-        info = torch.utils.data.get_worker_info()
-        start = self.start
-        assert start is not None
-        g = ((info.id if info is not None else 0) + start.next_worker) % self.workers
-        guard = info is None and self.per_sample_rng
-        width = 1 + len(self.mixture.names)
-        states = start.workers[g * width : (g + 1) * width]
-        lanes = _Lanes(
-            self.mixture, self.seed, self.shuffle, self.rank, self.world, self.workers, g
-        )
-        with rngs_preserved(guard):
-            run = MixedRun(
-                self.mixture, lanes, self.plans[g], states[0], list(states[1:]), start.epoch,
-                self.seed, self.batch_size, self.collate_fn, self.per_sample_rng,
-            )  # fmt: skip
-            batches = run.batches()
-        while True:
-            with rngs_preserved(guard):
-                item = next(batches, None)
-            if item is None:
-                return
-            if self.digest:
-                item[0].digest = digest_bytes(item[1])
-            yield item
-
-
-# ---------------------------------------------------------------------- the replica
-
-
-class MixedReplica:
-    """Ids-only mirror of one logical worker of a stream mixture in the main process:
-    predicts the samples of each batch, checks them and gives their positions."""
-
-    def __init__(
-        self,
-        pipeline: MixedStreamPipeline,
-        g: int,
-        plan: WorkerPlan,
-        mixer: WorkerState,
-        lane_states: list[WorkerState],
-        epoch: int,
-    ) -> None:
-        self.pipeline = pipeline
-        self.worker = g
-        self.epoch = epoch
-        self.plan = plan
-        self.k = mixer.emitted
-        lanes = pipeline.lanes(g)
-        self.lanes = [
-            _LaneIds(lanes, s, e, pieces, st, buf)
-            for s, ((e, pieces), st, buf) in enumerate(
-                zip(plan.lanes, lane_states, plan.buffers, strict=True)
-            )
-        ]
-        doc = (mixer.doc, mixer.doc_offset, mixer.doc_length) if mixer.doc >= 0 else None
-        self.packing = PackState(doc, list(mixer.tails), f"worker {g}")
-        self.doc_position = -1  # position of the sample in progress
-        if doc is not None:
-            if self.k > 0:
-                self.doc_position = int(plan.positions.at(self.k - 1, 1)[0])
-            else:  # a tail begun in this shape
-                self.doc_position = plan.tail_positions[self._tails_done() - 1]
-
-    def _tails_done(self) -> int:
-        return len(self.plan.tails) - len(self.packing.tails)
-
-    def exhausted(self) -> bool:
-        return self.k >= self.plan.positions.count and self.packing.exhausted()
-
-    def mixer(self) -> WorkerState:
-        d = self.packing.doc if self.packing.doc is not None else (-1, 0, 0)
-        return WorkerState(
-            self.worker,
-            emitted=self.k,
-            doc=d[0],
-            doc_offset=d[1],
-            doc_length=d[2],
-            tails=tuple(self.packing.tails),
-        )
-
-    def buffers(self) -> list[list[int]]:
-        return [lane.feed.buffer() for lane in self.lanes]
-
-    def _take(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next ``n`` mixed samples: ``(extended ids, positions)``."""
-        mixture = self.pipeline.mixture
-        ps = self.plan.positions.at(self.k, n)
-        self.k += ps.size
-        flat = np.empty(ps.size, np.int64)
-        if ps.size:
-            src = mixture.sources_at(self.pipeline.seed, ps + self.epoch * mixture.epoch_size)
-            for s in np.unique(src).tolist():
-                rows = np.flatnonzero(src == s)
-                ids, epochs = self.lanes[s].take(rows.size)
-                flat[rows] = mixture.ext_id(epochs, s, ids)
-        return flat, ps
-
-    def fold(self, meta: BatchMeta) -> np.ndarray:
-        """Advance by one consumed batch and return each row's position.
-
-        Raises:
-            LedgerError: if the batch is not the one the plan predicts.
-        """
-        ids = meta.sample_ids
-        if meta.spans is None:
-            want, ps = self._take(ids.size)
-            self._check(want, ids)
-            return ps
-        before = self.packing.doc
-        tails_before = self._tails_done()
-        pulled: list[np.ndarray] = []
-
-        def expect(begun: np.ndarray) -> None:
-            want, ps = self._take(begun.size)
-            self._check(want, begun)
-            pulled.append(ps)
-
-        self.packing.fold(ids, meta.spans, expect)
-        tails_popped = self._tails_done() - tails_before
-        starts = list(self.plan.tail_positions[tails_before : tails_before + tails_popped])
-        begun = np.concatenate([np.array(starts, np.int64), *pulled])
-        end, length = meta.spans[:, 1], meta.spans[:, 2]
-        begins = np.empty(ids.size, bool)
-        if ids.size:
-            begins[0] = before is None
-            begins[1:] = end[:-1] >= length[:-1]
-        # Each span's sample: the one in progress before the batch, then those begun here.
-        which = np.cumsum(begins) - 1
-        doc_positions = np.concatenate([[self.doc_position], begun]).astype(np.int64)
-        positions = doc_positions[which + 1]
-        if ids.size:
-            self.doc_position = int(positions[-1])
-        return positions
-
-    def _check(self, want: np.ndarray, ids: np.ndarray) -> None:
-        if want.size == ids.size and np.array_equal(want, ids):
-            return
-        bad = next((i for i in range(ids.size) if i >= want.size or want[i] != ids[i]), ids.size)
-        said = int(want[bad]) if bad < want.size else "the end of its epoch"
-        raise LedgerError(
-            f"worker {self.worker} produced flat sample {int(ids[bad]) if bad < ids.size else None}, "
-            f"but the mixture's plan says {said}: the pipeline is not deterministic"
-        )
-
-
-# ---------------------------------------------------------------------- the pipeline
 
 
 class MixedStreamPipeline:
@@ -751,8 +153,8 @@ class MixedStreamPipeline:
                 f"a mixture epoch of {mixture.epoch_size} positions cannot feed "
                 f"{self.world_size * self.k} logical workers: raise epoch_size"
             )
-        for name, stream in zip(mixture.names, mixture.sources, strict=True):
-            stream.source.record_digests(self.store, f"data/rowgroups/source={name}")
+        for s, stream in enumerate(mixture.sources):
+            stream.source.record_digests(self.store, f"data/rowgroups/source={s}")
         self.torch_dataset = MixedDataset(mixture, settings, self.k)
         self.torch_loader = tud.DataLoader(
             self.torch_dataset,
@@ -803,8 +205,8 @@ class MixedStreamPipeline:
 
     def lanes(
         self, g: int, world: int | None = None, workers: int | None = None, rank: int | None = None
-    ) -> _Lanes:
-        return _Lanes(
+    ) -> Lanes:
+        return Lanes(
             self.mixture,
             self.seed,
             self.settings.shuffle,
@@ -837,9 +239,9 @@ class MixedStreamPipeline:
         stride = world * workers
         left = self._reshape(origin, world, workers).epochs.get(epoch) if origin else None
         if left is None:
-            return Positions(_EMPTY, gw, stride, n), [], []
+            return Positions(EMPTY, gw, stride, n), [], []
         return (
-            Positions(left.gap.get(gw, _EMPTY), left.start + gw, stride, n),
+            Positions(left.gap.get(gw, EMPTY), left.start + gw, stride, n),
             left.tails.get(gw, []),
             left.tail_positions.get(gw, []),
         )
@@ -917,7 +319,7 @@ class MixedStreamPipeline:
             left = np.sort(
                 np.concatenate(
                     [*gaps, *(np.arange(x, start, stride, dtype=np.int64) for x, stride in nexts)]
-                    or [_EMPTY]
+                    or [EMPTY]
                 )
             )
             epochs[e] = EpochLeft(
@@ -1161,9 +563,24 @@ class MixedStreamPipeline:
     def new_phase(
         self, store: Store, head: Commit, current: dict[str, Any] | None, logged: dict[str, Any]
     ) -> dict[str, Any]:
-        # TODO(mixture-streams-phases): new weights for a stream mixture need the phase's
-        # start in every worker's positions; refused (ConfigMismatch) until then.
-        return unchanged_phase(self.config(), current, logged)
+        """Refused unless nothing changed (:func:`ledger.pipeline.unchanged_phase`).
+
+        Raises:
+            ConfigMismatch: if the mixture's weights or anything else changed.
+        """
+        base = current["config"] if current is not None else logged
+        mine = self.config()
+        if base.get("mixture") != mine["mixture"]:
+            # TODO(mixture-streams-phases): new weights need the phase's start in every
+            # worker's positions (a reshape's carry); refused until then.
+            raise ConfigMismatch(
+                "mixture",
+                base.get("mixture"),
+                mine["mixture"],
+                "A new phase cannot change a Mixture of streams yet (map-style mixtures "
+                "can change their weights): resume with the phase's weights.",
+            )
+        return unchanged_phase(mine, current, logged)
 
     def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
         """Rebuild the rank's state and lane buffers at ``head`` (another shape: see the

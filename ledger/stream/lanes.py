@@ -1,0 +1,268 @@
+"""The lanes of a mixture of streams: one source's stream inside one logical worker.
+
+A lane reads run ``gw`` of its source's epoch (:func:`lane_pieces`), through its own
+shuffle buffer and transform, and goes on to the source's next epoch when it runs out
+(:mod:`ledger.stream.mixing` tells the whole design). :class:`LaneIds` is the main
+process's ids-only lane (an :class:`~ledger.stream.shuffle.IdFeed` per source epoch),
+:class:`LaneFeed` the worker's (a :class:`~ledger.stream.worker.Feed`), and
+:class:`Positions` the positions one worker takes in a mixture epoch.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ledger.commits import WorkerState
+from ledger.errors import LedgerError
+from ledger.order import derive_key
+from ledger.stream.plan import EpochPlan, buffer_key
+from ledger.stream.sample import load_sample
+from ledger.stream.shuffle import IdFeed, Piece
+from ledger.stream.source import ShardedSource
+from ledger.stream.worker import Feed
+
+if TYPE_CHECKING:
+    from ledger.mixture import Mixture
+    from ledger.stream.spec import Stream
+
+EMPTY = np.zeros(0, np.int64)
+
+
+def source_seed(seed: int, name: str) -> int:
+    """The seed of a mixture source (as for map-style sources): its lanes' plans,
+    buffers and samples are keyed by it."""
+    return derive_key(seed, zlib.crc32(name.encode()))
+
+
+@dataclass(frozen=True, slots=True)
+class Positions:
+    """The positions one logical worker takes in one mixture epoch, in order: ``gap``,
+    then ``first, first + stride, ...`` below ``n``.
+
+    Attributes:
+        gap: ``int64 (k,)``: positions an earlier shape left below ``first - gw``.
+        first: the first position of the progression.
+        stride: ``world_size * workers``.
+        n: positions per mixture epoch.
+    """
+
+    gap: np.ndarray
+    first: int
+    stride: int
+    n: int
+
+    @property
+    def count(self) -> int:
+        """Positions in all."""
+        return self.gap.size + max(0, -(-(self.n - self.first) // self.stride))
+
+    def at(self, j: int, m: int) -> np.ndarray:
+        """Positions ``j .. j + m - 1`` (fewer at the end), ``int64``."""
+        k = np.arange(j, min(j + m, self.count), dtype=np.int64)
+        g = self.gap.size
+        out = self.first + (k - g) * self.stride
+        inside = k < g
+        out[inside] = self.gap[k[inside]]
+        return out
+
+
+def lane_pieces(
+    source: ShardedSource, seed: int, epoch: int, shuffle: bool, total: int, gw: int
+) -> list[Piece]:
+    """The rows of a source's epoch that lane ``gw`` of ``total`` reads: the shards in the
+    stream's seeded order (:class:`ledger.stream.plan.EpochPlan`), concatenated and cut
+    into ``total`` runs of equal rows (within one); run ``gw``, as pieces.
+
+    Equal rows, not whole shards as a plain stream deals: every lane of a source takes
+    about the same number of its samples, so lanes dealt whole shards of unequal sizes
+    would cycle through their source epochs at unequal rates, and serve some samples
+    more often than others.
+    """
+    order = EpochPlan(source, seed, epoch, shuffle, 1, 1).order
+    shards = [(int(f), 0, source.shard_rows(int(f))) for f in order.tolist()]
+    return cut(shards, total, gw)
+
+
+def cut(pieces: list[Piece], total: int, gw: int) -> list[Piece]:
+    """Run ``gw`` of ``total`` runs of equal rows (within one) of the rows of ``pieces``
+    in order."""
+    rows = np.array([stop - start for _, start, stop in pieces], np.int64)
+    ends = np.cumsum(rows)
+    n = int(ends[-1]) if ends.size else 0
+    lo, hi = gw * n // total, (gw + 1) * n // total
+    out: list[Piece] = []
+    i = int(np.searchsorted(ends, lo, side="right"))
+    while lo < hi and i < len(pieces):
+        shard, start, _ = pieces[i]
+        first = int(ends[i] - rows[i])
+        stop = min(hi, int(ends[i]))
+        if stop > lo:
+            out.append((shard, start + lo - first, start + stop - first))
+        lo = max(lo, stop)
+        i += 1
+    return out
+
+
+class Lanes:
+    """How the lanes of one logical worker roll on to fresh source epochs (picklable)."""
+
+    def __init__(
+        self,
+        mixture: Mixture,
+        seed: int,
+        shuffle: bool,
+        rank: int,
+        world: int,
+        workers: int,
+        worker: int,
+    ) -> None:
+        self.streams: tuple[Stream, ...] = mixture.sources
+        self.seeds = [source_seed(seed, n) for n in mixture.names]
+        self.names = mixture.names
+        self.shuffle = shuffle
+        self.rank = rank
+        self.world = world
+        self.workers = workers
+        self.worker = worker
+
+    def fresh(self, s: int, epoch: int) -> list[Piece]:
+        """The pieces of source ``s``'s ``epoch`` for this worker in a fresh plan."""
+        return lane_pieces(
+            self.streams[s].source, self.seeds[s], epoch, self.shuffle,
+            self.world * self.workers, self.rank * self.workers + self.worker,
+        )  # fmt: skip
+
+    def key(self, s: int, epoch: int) -> int:
+        return buffer_key(self.seeds[s], epoch, self.rank, self.worker)
+
+    def stuck(self, s: int, epoch: int) -> LedgerError:
+        return LedgerError(
+            f"source {self.names[s]!r} gives logical worker {self.worker} of rank "
+            f"{self.rank} no row in its epoch {epoch}: a source needs at least "
+            f"world_size * num_workers ({self.world * self.workers}) rows"
+        )
+
+
+class LaneIds:
+    """Ids-only lane (the main process's replica): an :class:`IdFeed` per source epoch."""
+
+    def __init__(
+        self,
+        lanes: Lanes,
+        s: int,
+        epoch: int,
+        pieces: list[Piece],
+        state: WorkerState,
+        buffer: list[int],
+    ) -> None:
+        self.lanes = lanes
+        self.s = s
+        self.epoch = epoch
+        stream = lanes.streams[s]
+        self.feed = IdFeed(
+            stream.source, pieces, state, buffer, stream.shuffle_buffer, lanes.key(s, epoch)
+        )
+
+    def take(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The lane's next ``k`` sample ids (rows of its source) and the source epoch of
+        each, rolling over epochs."""
+        got = self.feed.take(k)
+        if got.size == k:
+            return got, np.full(k, self.epoch, np.int64)
+        parts = [got]
+        epochs = [np.full(got.size, self.epoch, np.int64)]
+        have = got.size
+        fruitless = 0
+        while have < k:
+            self.epoch += 1
+            stream = self.lanes.streams[self.s]
+            pieces = self.lanes.fresh(self.s, self.epoch)
+            self.feed = IdFeed(
+                stream.source,
+                pieces,
+                WorkerState(0),
+                [],
+                stream.shuffle_buffer,
+                self.lanes.key(self.s, self.epoch),
+            )
+            more = self.feed.take(k - have)
+            fruitless = 0 if more.size else fruitless + 1
+            if fruitless > 1:
+                raise self.lanes.stuck(self.s, self.epoch)
+            parts.append(more)
+            epochs.append(np.full(more.size, self.epoch, np.int64))
+            have += more.size
+        return np.concatenate(parts), np.concatenate(epochs)
+
+    def state(self) -> WorkerState:
+        f = self.feed
+        return WorkerState(self.epoch, f.shard, f.row, f.rows_read, f.draws, f.emitted)
+
+
+class LaneFeed:
+    """A lane in a worker: reads, transforms and shuffles one source's rows."""
+
+    def __init__(
+        self,
+        lanes: Lanes,
+        s: int,
+        epoch: int,
+        pieces: list[Piece],
+        state: WorkerState,
+        buffer: list[int],
+        seed: int,
+        per_sample_rng: bool,
+    ) -> None:
+        self.lanes = lanes
+        self.s = s
+        self.stream = lanes.streams[s]
+        self.seed = lanes.seeds[s]
+        self.per_sample_rng = per_sample_rng
+        self.epoch = epoch
+        source = self.stream.source
+        payloads = [self._load(i, r) for i, r in zip(buffer, source.read(buffer), strict=True)]
+        self.feed = self._feed(pieces, state, buffer, payloads)
+
+    def _feed(
+        self, pieces: list[Piece], state: WorkerState, buffer: list[int], payloads: list[Any]
+    ) -> Feed:
+        return Feed(
+            self.stream.source,
+            pieces,
+            state,
+            buffer,
+            payloads,
+            self.stream.shuffle_buffer,
+            self.lanes.key(self.s, self.epoch),
+            self._read,
+        )
+
+    def _load(self, sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
+        return load_sample(self.stream, self.seed, self.epoch, sid, record, self.per_sample_rng)
+
+    def _read(self, shard: int, row: int, stop: int) -> Iterator[tuple[Any, str | None]]:
+        source = self.stream.source
+        base = int(source.offsets[shard]) + row
+        if stop - row == 1:
+            yield self._load(base, source.read([base])[0])
+            return
+        for i, record in enumerate(source.iter_shard(shard, row)):
+            yield self._load(base + i, record)
+
+    def next(self) -> tuple[int, Any]:
+        """The lane's next ``(row id, (item, draws))``, rolling over source epochs."""
+        fruitless = 0
+        while True:
+            got = self.feed.next()
+            if got is not None:
+                return got
+            fruitless += 1
+            if fruitless > 2:
+                raise self.lanes.stuck(self.s, self.epoch)
+            self.epoch += 1
+            self.feed = self._feed(self.lanes.fresh(self.s, self.epoch), WorkerState(0), [], [])
