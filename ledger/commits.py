@@ -246,7 +246,7 @@ def open_run(
     return str(existing["run_id"])
 
 
-PHASE_KEYS = ("mixture",)
+PHASE_KEYS = ("mixture", "batch_size", "drop_last")
 """Configuration keys a new phase may change (``load_state_dict(token, new_phase=True)``)."""
 
 

@@ -547,11 +547,16 @@ class DataLoader:
             state_dict: the token.
             new_phase: record a deliberate change of configuration as a new *phase* of
                 the run (in the new attempt's record, ``attempts/<A>.json``) instead of
-                refusing it. Today a phase can change a :class:`ledger.Mixture`'s weights
-                or schedule: every source continues its own stream where it stood, and
-                positions from where the ranks reached are mixed with the new weights
-                (whose schedule counts from the phase's start). Later resumes of the
-                phase need the same configuration; audits read each phase's targets.
+                refusing it. A phase can change the batch size (and ``drop_last`` of a
+                map-style dataset or mixture), and a :class:`ledger.Mixture`'s weights,
+                schedule and sources. It starts where the ranks' consumed positions
+                reached (a prefix of the current epoch's order): the new batches cut the
+                order from there; a stream's workers continue their streams where they
+                stood; every mixture source kept continues its own stream, a new one
+                starts at its beginning, and positions from there are mixed with the new
+                weights (whose schedule counts from the phase's start). Later resumes of
+                the phase need the same configuration; audits read each phase's targets.
+                See the README's "Phases".
             skip_batches: then skip this many batches on the record (:meth:`skip`, for
                 loss-spike recovery); 0: none.
             reason: why they are skipped (required with ``skip_batches``).
@@ -562,8 +567,8 @@ class DataLoader:
                 written to another root resumes when this root holds the same run and
                 commit (a log copied, mounted elsewhere or moved to another bucket).
             ConfigMismatch: if dataset length, seed, shuffle, batch size, drop_last or
-                a mixture's weights differ from the phase's (names both values), or with
-                ``new_phase`` if the change is not one a phase can make.
+                a mixture's weights or sources differ from the phase's (names both
+                values), or with ``new_phase`` if the change is not one a phase can make.
             CommitNotFound: if the token's commit is not in the log.
             LogCorrupted, ResumeMismatch: if replay finds the log inconsistent, or the
                 loader would not continue it exactly.

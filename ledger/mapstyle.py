@@ -34,7 +34,7 @@ from ledger.digest import digest_bytes
 from ledger.errors import LedgerError, SampleError
 from ledger.fetch import Failure, RngMode, fetch_samples
 from ledger.order import BatchPlan, EpochOrder
-from ledger.pipeline import LoaderSettings, unchanged_phase
+from ledger.pipeline import PHASE_BATCHING, LoaderSettings, phase_record
 from ledger.replay import advance, replay, resume_elastic
 from ledger.schema import ERROR, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SKIP, EventChunk
 from ledger.store import Store
@@ -214,6 +214,7 @@ class MapPipeline:
                 f"{settings.world_size} rank(s) with drop_last={settings.drop_last}"
             )
         self.start = self.initial_state()
+        self._started: tuple[str, PipelineState, list[EventChunk]] | None = None  # new_phase
         self.inflight: deque[_Request] = deque()
         self._orders: dict[int, EpochOrder] = {}
         self.torch_loader = tud.DataLoader(
@@ -322,14 +323,50 @@ class MapPipeline:
         return []  # the order is a pure function of (seed, epoch): no buffer
 
     def enter_phase(self, phase: dict[str, Any] | None) -> None:
-        return None  # a phase changes nothing a map-style dataset serves (see new_phase)
+        return None  # the batch size is in the settings; the order is the same (new_phase)
 
     def new_phase(
         self, store: Store, head: Commit, current: dict[str, Any] | None, logged: dict[str, Any]
     ) -> dict[str, Any]:
-        return unchanged_phase(self.config(), current, logged)
+        """A new phase with another batch size or ``drop_last``: the epoch's order stays;
+        the positions the ranks consumed up to ``head`` form a prefix ``[0, P)`` of the
+        current epoch, and the new batches cut the order from ``P`` on (as an elastic
+        resume does, :func:`ledger.replay.resume_elastic`). Later epochs use the new plan
+        from position 0. The phase's ``start`` is the global position ``epoch * len + P``.
+
+        Raises:
+            ConfigMismatch: if anything but the batch size or ``drop_last`` changed.
+            ResumeMismatch: if the ranks at ``head`` stopped at different steps.
+        """
+        old = current["config"] if current is not None else logged
+        config = self.config()
+        phase_record(config, current, logged, PHASE_BATCHING, 0)  # refuses other changes
+        state, events = self._phase_start(store, head, old)
+        self._started = (head.id, state, events)
+        return phase_record(
+            config, current, logged, PHASE_BATCHING, state.epoch * self.plan.n + state.epoch_start
+        )
+
+    def _phase_start(
+        self, store: Store, head: Commit, old: dict[str, Any]
+    ) -> tuple[PipelineState, list[EventChunk]]:
+        """The state where a new phase after ``head`` starts (``old``: the configuration
+        that wrote ``head``)."""
+        before = BatchPlan(self.plan.n, int(old["batch_size"]), bool(old["drop_last"]))
+        state, skip = resume_elastic(store, head, self.plan, self.order, before=before)
+        return state, [skip] if skip is not None else []
+
+    def _phase_started(self, head: Commit) -> tuple[PipelineState, list[EventChunk]] | None:
+        """The state :meth:`new_phase` computed, if the resume starts a phase at ``head``."""
+        started = self._started
+        if started is None or started[0] != head.id:
+            return None
+        return started[1], started[2]
 
     def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
+        started = self._phase_started(head)
+        if started is not None:
+            return started
         if head.world_size != self.plan.world_size:
             state, skip = resume_elastic(store, head, self.plan, self.order)
             return state, [skip] if skip is not None else []

@@ -42,8 +42,8 @@ import pyarrow as pa
 from ledger.commits import PHASE_KEYS, Commit, PipelineState
 from ledger.errors import ConfigMismatch, UnsupportedArgument
 from ledger.mapstyle import MapPipeline
-from ledger.order import EpochOrder, derive_key
-from ledger.pipeline import LoaderSettings, refuse_phase
+from ledger.order import BatchPlan, EpochOrder, derive_key
+from ledger.pipeline import PHASE_BATCHING, LoaderSettings, refuse_phase
 from ledger.replay import replay, resume_elastic
 from ledger.schema import EventChunk
 from ledger.store import Store
@@ -474,20 +474,7 @@ class MixturePipeline(MapPipeline):
 
     def _named(self, chunk: EventChunk) -> EventChunk:
         """The chunk with per-source ids and its ``source`` codes."""
-        codes, ids = self.mixture.split(chunk.sample_ids)
-        return EventChunk(
-            chunk.kind,
-            chunk.epoch,
-            chunk.batch,
-            chunk.worker,
-            chunk.position,
-            ids,
-            positions=chunk.positions,  # bad samples leave gaps (on_error="skip")
-            values=chunk.values,  # an error's exception, a rollback's reason
-            digest=chunk.digest,
-            sources=codes,
-            source_names=self.mixture.names,
-        )
+        return _named(chunk, self.mixture)
 
     def enter_phase(self, phase: dict[str, Any] | None) -> None:
         """Serve positions by the phase of an attempt record, and the one before it (whose
@@ -500,7 +487,7 @@ class MixturePipeline(MapPipeline):
             return
         phases = []
         previous = phase.get("previous")
-        if previous is not None:
+        if previous is not None and previous.get("names", names) == list(names):
             phases.append(_phase_of(previous, previous["schedule"], names))
         phases.append(_phase_of(phase, phase["config"]["mixture"]["schedule"], names))
         self.mixture.enter_phase(phases)
@@ -509,57 +496,130 @@ class MixturePipeline(MapPipeline):
     def new_phase(
         self, store: Store, head: Commit, current: dict[str, Any] | None, logged: dict[str, Any]
     ) -> dict[str, Any]:
-        """A new phase with this mixture's weights, starting where ``head``'s ranks reached
-        (every source continues its own stream where it stood).
+        """A new phase with this mixture's weights, sources and batch size, starting where
+        ``head``'s ranks reached.
+
+        Every source present before and after continues its own stream where it stood
+        (its count of positions carries over); a new source starts at its sample 0 of its
+        epoch 0; a removed one is no longer drawn. Positions from the phase's start are
+        mixed by the new weights (a schedule's boundaries count from the start) and cut
+        into batches of the new size (:meth:`MapPipeline.new_phase`).
 
         Raises:
-            ConfigMismatch: if anything but the weights changed (sources, their lengths,
-                the epoch size, the seed, the batch size...).
+            ConfigMismatch: if the seed, shuffle, the epoch size, the length of a source
+                kept by name, or anything but the weights, sources and batching changed.
             ResumeMismatch: if the ranks at ``head`` stopped at different steps.
         """
         old = current["config"] if current is not None else logged
         mine = self.config()
-        refuse_phase(mine, old, PHASE_KEYS)
-        kept = ("algorithm", "block", "epoch_size", "sources")
-        for key in kept:
+        for key in ("algorithm", "block", "epoch_size"):
             if old["mixture"].get(key) != mine["mixture"].get(key):
                 raise ConfigMismatch(
                     f"mixture {key}",
                     old["mixture"].get(key),
                     mine["mixture"].get(key),
-                    "A new phase can change a mixture's weights only: keep its sources, "
-                    "their lengths and its epoch size.",
+                    "A new phase keeps a mixture's epoch size (pass epoch_size= the old "
+                    "value when sources change).",
                 )
-        # The positions so far, as the current phase (its own weights) served them.
-        if current is None:
-            zero = {"number": 0, "start": 0, "base": [0] * len(self.mixture.names)}
-            self.mixture.enter_phase(
-                [_phase_of(zero, old["mixture"]["schedule"], self.mixture.names)]
-            )
-        else:
-            self.enter_phase(current)
-        state, _ = resume_elastic(store, head, self.plan, self.order, self.logged_ids)
+        refuse_phase(mine, old, (*PHASE_BATCHING, *PHASE_KEYS))
+        was_len = {src["name"]: int(src["len"]) for src in old["mixture"]["sources"]}
+        for name, n in zip(self.mixture.names, self.mixture.lengths.tolist(), strict=True):
+            if was_len.get(name, n) != n:
+                raise ConfigMismatch(
+                    f"mixture source {name!r} length",
+                    was_len[name],
+                    n,
+                    "A source kept in a new phase continues its own order, which needs its "
+                    "length; add a changed dataset under a new name.",
+                )
+        # The positions so far, as the current phase served them (its sources, weights
+        # and batch size): an ids-only mixture of the old sources.
+        served = _ids_only(old["mixture"])
+        record = current or {"number": 0, "start": 0, "base": [0] * len(served.names)}
+        was = _phase_of(record, old["mixture"]["schedule"], served.names)
+        served.enter_phase([was])
+        seed, shuffle = self.settings.seed, self.settings.shuffle
+        before = BatchPlan(self.plan.n, int(old["batch_size"]), bool(old["drop_last"]))
+        state, skip = resume_elastic(
+            store,
+            head,
+            self.plan,
+            lambda epoch: MixtureOrder(served, seed, epoch, shuffle),
+            lambda rows: _logged_ids(rows, served),
+            before=before,
+        )
+        self._started = (head.id, state, [_named(skip, served)] if skip is not None else [])
         start = state.epoch * self.mixture.epoch_size + state.epoch_start
-        was = self.mixture.phases[-1]
+        counts = dict(zip(served.names, was.counts_before(seed, start).tolist(), strict=True))
         return {
             "number": was.number + 1,
             "config": mine,
             "start": start,
-            "base": was.counts_before(self.settings.seed, start).tolist(),
-            "previous": {**was.to_json(), "schedule": old["mixture"]["schedule"]},
+            "base": [counts.get(name, 0) for name in self.mixture.names],
+            "previous": {
+                **was.to_json(),
+                "schedule": old["mixture"]["schedule"],
+                "names": list(served.names),
+            },
         }
 
     def logged_ids(self, rows: pa.Table) -> np.ndarray:
         """Flat ids of logged events (their ``source`` and ``sample_id``)."""
-        names = (
-            rows["source"].cast(pa.string()).to_pylist() if "source" in rows.column_names else []
-        )
-        if len(names) != rows.num_rows:
-            names = [None] * rows.num_rows
-        return self.mixture.join(names, rows["sample_id"].to_numpy())
+        return _logged_ids(rows, self.mixture)
 
     def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
+        started = self._phase_started(head)
+        if started is not None:
+            return started
         if head.world_size != self.plan.world_size:
             state, skip = resume_elastic(store, head, self.plan, self.order, self.logged_ids)
             return state, [self._named(skip)] if skip is not None else []
         return replay(store, head, self.plan, self.order, ids_of=self.logged_ids), []
+
+
+class _Sized:
+    """A source known by its length only: the ids-only mixture of an earlier phase."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        raise TypeError("an earlier phase's source is known by its length only")
+
+
+def _ids_only(config: dict[str, Any]) -> Mixture:
+    """The mixture a phase's configuration describes, ids only (its ``mixture`` key)."""
+    return Mixture(
+        {src["name"]: _Sized(int(src["len"])) for src in config["sources"]},
+        Schedule({int(start): weights for start, weights in config["schedule"]}),
+        epoch_size=int(config["epoch_size"]),
+    )
+
+
+def _logged_ids(rows: pa.Table, mixture: Mixture) -> np.ndarray:
+    """Flat ids in ``mixture`` of logged events (their ``source`` and ``sample_id``)."""
+    names = rows["source"].cast(pa.string()).to_pylist() if "source" in rows.column_names else []
+    if len(names) != rows.num_rows:
+        names = [None] * rows.num_rows
+    return mixture.join(names, rows["sample_id"].to_numpy())
+
+
+def _named(chunk: EventChunk, mixture: Mixture) -> EventChunk:
+    """The chunk with per-source ids and its ``source`` codes in ``mixture``."""
+    codes, ids = mixture.split(chunk.sample_ids)
+    return EventChunk(
+        chunk.kind,
+        chunk.epoch,
+        chunk.batch,
+        chunk.worker,
+        chunk.position,
+        ids,
+        positions=chunk.positions,  # bad samples leave gaps (on_error="skip")
+        values=chunk.values,  # an error's exception, a rollback's reason
+        digest=chunk.digest,
+        sources=codes,
+        source_names=mixture.names,
+    )

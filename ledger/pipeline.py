@@ -205,6 +205,12 @@ def build(dataset: Any, settings: LoaderSettings) -> Pipeline:
     return MapPipeline(dataset, settings)
 
 
+PHASE_BATCHING = ("batch_size", "drop_last")
+"""Configuration keys a new phase of a map-style dataset (or a mixture of them) may
+change: how the order's positions are cut into batches. A stream's new phase may change
+its ``batch_size``."""
+
+
 def refuse_phase(mine: dict[str, Any], logged: dict[str, Any], allowed: tuple[str, ...]) -> None:
     """Raise ``ConfigMismatch`` for the first key outside ``allowed`` that a new phase
     would change (world size and workers are elastic, not a phase).
@@ -218,28 +224,41 @@ def refuse_phase(mine: dict[str, Any], logged: dict[str, Any], allowed: tuple[st
     logged = upgrade_config(logged)
     for key in sorted((set(logged) | set(mine)) - set(ELASTIC_KEYS)):
         if key not in allowed and logged.get(key) != mine.get(key):
-            # TODO(phases): other changes (batch size, sources, streams) need the old
-            # plan's replay; only a mixture's weights can change in a new phase today.
+            # TODO(phases): a new seed, shuffle, dataset or stream source would need a
+            # definition of what the new order continues from (which samples of the
+            # current epoch are left); refused until one is written down.
             raise ConfigMismatch(
                 key,
                 logged.get(key),
                 mine.get(key),
-                "A new phase can change a ledger.Mixture's weights (or schedule) only; "
-                "resume with the run's configuration otherwise, or start a new run.",
+                "A new phase can change the batch size (and drop_last of a map-style "
+                "dataset), and a ledger.Mixture's weights, schedule and sources; resume "
+                "with the run's configuration otherwise, or start a new run.",
             )
 
 
-def unchanged_phase(
-    config: dict[str, Any], current: dict[str, Any] | None, logged: dict[str, Any]
+def phase_record(
+    config: dict[str, Any],
+    current: dict[str, Any] | None,
+    logged: dict[str, Any],
+    allowed: tuple[str, ...],
+    start: int,
 ) -> dict[str, Any]:
-    """The phase record of a pipeline whose configuration a phase cannot change (a
-    map-style dataset, a stream): refused unless the configuration is the same, then
-    a record with nothing to carry.
+    """The record of a new phase with ``config`` after ``current`` (an attempt record's
+    ``phase``: ``number``, ``config``, ``start``, ``base``).
+
+    Args:
+        config: the resuming loader's configuration.
+        current: the phase resumed from (``None``: the run's first).
+        logged: the run's configuration (``run.json``).
+        allowed: the keys this pipeline's phase may change (:func:`refuse_phase`).
+        start: the global position where the phase starts (``epoch * len + position``;
+            0 for a stream, whose positions are not global).
 
     Raises:
         ConfigMismatch: see :func:`refuse_phase`.
     """
     base = current["config"] if current is not None else logged
-    refuse_phase(config, base, ())
+    refuse_phase(config, base, allowed)
     number = current["number"] + 1 if current is not None else 1
-    return {"number": number, "config": config, "start": 0, "base": []}
+    return {"number": number, "config": config, "start": start, "base": []}

@@ -210,6 +210,7 @@ def resume_elastic(
     plan: BatchPlan,
     order_for: Callable[[int], Order],
     ids_of: Callable[[pa.Table], np.ndarray] = _sample_ids,
+    before: BatchPlan | None = None,
 ) -> tuple[PipelineState, EventChunk | None]:
     """State of one rank of a new world size resuming ``head`` (map-style datasets).
 
@@ -228,6 +229,9 @@ def resume_elastic(
         plan: the new rank's full-epoch plan (its ``rank`` and ``world_size``).
         order_for: ``epoch -> EpochOrder``.
         ids_of: as for :func:`replay`.
+        before: the plan of the configuration that wrote ``head`` when it differs from
+            ``plan``'s in batch size or ``drop_last`` (a new phase); its rank and world
+            size are ignored. ``None``: ``plan``'s.
 
     Returns:
         The rank's state, and the ``skip`` events to log when ``drop_last`` leaves too
@@ -239,10 +243,16 @@ def resume_elastic(
             continue exactly.
     """
     old = head.world_size
+    before = before if before is not None else plan
     refs = newest_segments(store, head, old)  # the head marker, read once
     folded = [
         replay(
-            store, head, replace(plan, rank=r, world_size=old, start=0), order_for, refs[r], ids_of
+            store,
+            head,
+            replace(before, rank=r, world_size=old, start=0),
+            order_for,
+            refs[r],
+            ids_of,
         )
         for r in range(old)
     ]
@@ -251,7 +261,7 @@ def resume_elastic(
     starts: list[np.ndarray] = []
     stops: list[np.ndarray] = []
     for r, s in enumerate(folded):
-        old_plan = replace(plan, rank=r, world_size=old, start=start)
+        old_plan = replace(before, rank=r, world_size=old, start=start)
         count = old_plan.batches_per_epoch if s.epoch > epoch else s.epoch_batch
         lo, hi = old_plan.bounds(0, count)
         starts.append(lo)

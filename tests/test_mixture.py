@@ -218,8 +218,11 @@ def test_a_change_of_weights_needs_new_phase(root) -> None:
     token = loader.state_dict()
     with pytest.raises(ConfigMismatch, match="new_phase=True"):
         _loader(root, LATE).load_state_dict(token)
-    with pytest.raises(ConfigMismatch, match=r"weights \(or schedule\) only"):
-        _loader(root, LATE, batch_size=25).load_state_dict(token, new_phase=True)
+    other_seed = ledger.DataLoader(
+        mixture(LATE, epoch_size=1000), batch_size=50, shuffle=True, seed=7, log=root
+    )
+    with pytest.raises(ConfigMismatch, match=r"Mixture's weights, schedule and sources"):
+        other_seed.load_state_dict(token, new_phase=True)
 
 
 def test_a_new_phase_continues_every_source_and_resumes_exactly(root) -> None:

@@ -99,6 +99,13 @@ def pieces(store: Store, con: duckdb.DuckDBPyConnection, config: dict[str, Any])
     return out
 
 
+def _names(config: dict[str, Any], more: list[str]) -> list[str]:
+    """The sources of ``run.json``'s mixture in its order, then those that later phases
+    added (``more``), in order of appearance."""
+    names = [s["name"] for s in config["mixture"]["sources"]]
+    return list(dict.fromkeys(names + more))
+
+
 def _counts(
     con: duckdb.DuckDBPyConnection, size: int, cuts: list[Piece]
 ) -> list[tuple[int, str, int]]:
@@ -157,8 +164,8 @@ def source_shares(
         phase number (the phases of the lineage that served samples).
     """
     mixture = config["mixture"]
-    names = [s["name"] for s in mixture["sources"]]
     cuts = pieces(store, con, config)
+    names = _names(config, [n for c in cuts for n in c.targets])
     per_piece: dict[int, dict[str, int]] = {}
     for piece, source, n in _counts(con, int(mixture["epoch_size"]), cuts):
         per_piece.setdefault(int(piece), {})[str(source)] = int(n)
@@ -180,7 +187,6 @@ def shares_over_steps(
     if last < 0:
         return []
     width = max(1, math.ceil((last + 1) / buckets))
-    names = [s["name"] for s in config["mixture"]["sources"]]
     counts = con.execute(
         f"""
         SELECT batch // {width} AS b, CAST(source AS VARCHAR), count(*)
@@ -190,6 +196,7 @@ def shares_over_steps(
     by: dict[int, dict[str, int]] = {}
     for b, source, n in counts:
         by.setdefault(int(b), {})[str(source)] = int(n)
+    names = _names(config, [str(source) for _, source, _ in counts])
     out = []
     for b in sorted(by):
         total = sum(by[b].values())

@@ -23,7 +23,7 @@ import torch.utils.data as tud
 from ledger.commits import Commit, PipelineState, WorkerState, read_commit
 from ledger.errors import LedgerError
 from ledger.order import BatchPlan
-from ledger.pipeline import LoaderSettings, unchanged_phase
+from ledger.pipeline import LoaderSettings, phase_record
 from ledger.replay import read_buffers, replay_stream
 from ledger.schema import BUFFER, ERROR, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
@@ -339,12 +339,20 @@ class StreamPipeline:
         ]
 
     def enter_phase(self, phase: dict[str, Any] | None) -> None:
-        return None  # a phase changes nothing a stream serves (see new_phase)
+        return None  # the batch size is in the settings; nothing else changes (new_phase)
 
     def new_phase(
         self, store: Store, head: Commit, current: dict[str, Any] | None, logged: dict[str, Any]
     ) -> dict[str, Any]:
-        return unchanged_phase(self.config(), current, logged)
+        """A new phase with another batch size: each logical worker continues its own
+        stream (cursor, shuffle buffer, packer) where it stood, and cuts it into batches
+        of the new size. The batch size does not enter a worker's stream, so the state
+        replays as in a resume without a phase.
+
+        Raises:
+            ConfigMismatch: if anything but the batch size changed.
+        """
+        return phase_record(self.config(), current, logged, ("batch_size",), 0)
 
     def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
         """See :func:`ledger.replay.replay_stream`."""
