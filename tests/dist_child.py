@@ -6,6 +6,7 @@ Usage: torchrun --nproc_per_node W dist_child.py ROOT OUTDIR TOTAL [--resume]
        [--drop-last]
        [--shards DIR]  (a packed, shuffled stream over DIR/* instead of a dataset)
        [--mixture]  (a ledger.Mixture of two datasets; ids of "b" start at 1000)
+       [--stream-mixture DIR]  (a ledger.Mixture of packed streams over DIR/a/* and DIR/b/*)
 Each rank appends "<step> <ids> <digest>" per batch to OUTDIR/stream-<rank>.txt and keeps
 its token in OUTDIR/ckpt-<rank>.json (written after every commit, every 3 steps, then a
 barrier).
@@ -47,6 +48,23 @@ def main() -> None:
         shards = sys.argv[sys.argv.index("--shards") + 1]
         loader = ledger.DataLoader(
             packed_stream(shards, shuffle_buffer=3),
+            batch_size=2,
+            shuffle=True,
+            seed=5,
+            log=root,
+            num_workers=2,
+        )
+        key = "tokens"
+    elif "--stream-mixture" in sys.argv:
+        shards = sys.argv[sys.argv.index("--stream-mixture") + 1]
+        loader = ledger.DataLoader(
+            ledger.Mixture(
+                {
+                    "a": packed_stream(os.path.join(shards, "a"), shuffle_buffer=3),
+                    "b": packed_stream(os.path.join(shards, "b"), shuffle_buffer=2),
+                },
+                weights={"a": 0.7, "b": 0.3},
+            ),
             batch_size=2,
             shuffle=True,
             seed=5,

@@ -264,3 +264,58 @@ def test_elastic_resume_of_a_mixture_two_to_one_rank(tmp_path):
     assert np.array_equal(logged, mix.flat_ids(5, True, positions))  # the mixture's order
     served = [(1000 if s == "b" else 0) + i for _, _, s, i in rows]  # Based's ids
     assert sorted(seen) == sorted(served)
+
+
+def test_elastic_stream_mixture_two_to_one_to_three_ranks(tmp_path):
+    """A mixture of packed streams resumed with other world sizes: every position of each
+    finished mixture epoch once, of the source the mixture's function gives, and every
+    token of every sample once (buffers, lanes and packed samples in flight)."""
+    import numpy as np
+
+    import ledger
+
+    shards = tmp_path / "shards"
+    for name, count in (("a", 4), ("b", 3)):
+        (shards / name).mkdir(parents=True)
+        for s in range(count):
+            with open(shards / name / f"part-{s}.jsonl", "w") as f:
+                for i in range(2 + s):
+                    f.write(json.dumps({"text": f"{name} {s} {i} " + "w" * (3 * i)}) + "\n")
+    log = str(tmp_path / "log")
+    for i, (nproc, total) in enumerate([(2, 6), (1, 15), (3, 30)]):
+        out = tmp_path / f"shape{i}"
+        out.mkdir()
+        resume = ["--resume-from", str(tmp_path / f"shape{i - 1}" / "ckpt-0.json")] if i else []
+        assert (
+            torchrun(nproc, log, str(out), str(total), "--stream-mixture", str(shards), *resume)
+            == 0
+        )
+    from ledger.audit import connect
+    from ledger.stream import ShardedSource, Stream
+
+    head = list_commits(Store(log))[-1]
+    assert head.world_size == 3
+    done = min(s.epoch for s in head.states)
+    assert done >= 2
+    con = connect(log)
+    rows = con.execute(
+        """
+        SELECT epoch, position, any_value(CAST(source AS VARCHAR)), count(DISTINCT sample_id),
+               sum(token_end - token_start), any_value(length), min(token_start),
+               max(token_end)
+        FROM lineage WHERE kind = 'span' AND epoch < ? GROUP BY 1, 2 ORDER BY 1, 2
+        """,
+        [done],
+    ).fetchall()
+    size = 14 + 9  # rows of "a" and "b": the mixture epoch
+    mix = ledger.Mixture(
+        {n: Stream(ShardedSource(str(shards / n / "*"))) for n in ("a", "b")},
+        weights={"a": 0.7, "b": 0.3},
+    )
+    for epoch in range(done):
+        mine = [r for r in rows if r[0] == epoch]
+        assert [r[1] for r in mine] == list(range(size)), epoch
+        truth = mix.sources_at(5, np.arange(size) + epoch * size)
+        assert [r[2] for r in mine] == [mix.names[s] for s in truth.tolist()]
+        for _, p, _, ids, tokens, length, lo, hi in mine:
+            assert (ids, tokens, lo, hi) == (1, length, 0, length), (epoch, p)

@@ -204,6 +204,22 @@ class LaneIds:
         return WorkerState(self.epoch, f.shard, f.row, f.rows_read, f.draws, f.emitted)
 
 
+class _Held(dict):
+    """A worker feed's payloads by sample id, keeping repeats: after a change of shape a
+    lane's carried rows may hold one row twice (left by two old lanes in two source
+    epochs); both copies are the same payload (same seed), either may be handed on."""
+
+    def __setitem__(self, sid: int, payload: Any) -> None:
+        self.setdefault(sid, []).append(payload)
+
+    def pop(self, sid: int) -> Any:  # type: ignore[override]
+        copies = self[sid]
+        payload = copies.pop()
+        if not copies:
+            del self[sid]
+        return payload
+
+
 class LaneFeed:
     """A lane in a worker: reads, transforms and shuffles one source's rows."""
 
@@ -231,7 +247,7 @@ class LaneFeed:
     def _feed(
         self, pieces: list[Piece], state: WorkerState, buffer: list[int], payloads: list[Any]
     ) -> Feed:
-        return Feed(
+        feed = Feed(
             self.stream.source,
             pieces,
             state,
@@ -241,6 +257,10 @@ class LaneFeed:
             self.lanes.key(self.s, self.epoch),
             self._read,
         )
+        feed._held = _Held()  # a carried epoch may hold a row twice (from two old epochs)
+        for sid, payload in zip(buffer, payloads, strict=True):
+            feed._held[sid] = payload
+        return feed
 
     def _load(self, sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
         return load_sample(self.stream, self.seed, self.epoch, sid, record, self.per_sample_rng)
