@@ -237,3 +237,35 @@ def test_a_stream_mixture_refuses_what_it_cannot_mix(sources) -> None:
     mix = mixture(sources, False)
     with pytest.raises(TypeError, match="no random access"):
         mix[0]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_new_phase_changes_the_batch_size_and_refuses_new_weights(sources, root, packing) -> None:
+    from ledger.errors import ConfigMismatch
+
+    def make(batch_size: int, weights=None) -> ledger.DataLoader:
+        return ledger.DataLoader(
+            mixture(sources, packing, weights),
+            batch_size=batch_size,
+            seed=5,
+            log=root,
+            collate_fn=None if packing else texts,
+        )
+
+    def rows(batches: list) -> list:  # samples (or packed sequences) in order
+        if packing:
+            return [seq.tolist() for b in batches for seq in b["tokens"]]
+        return [x for b in batches for x in b]
+
+    first = make(3)
+    list(take(first, 4))
+    token = first.state_dict()
+    reference = rows(list(take(first, 20)))  # 60 samples or sequences, crossing epochs
+    with pytest.raises(ConfigMismatch, match="batch_size"):
+        make(5).load_state_dict(token)
+    wider = make(5)
+    wider.load_state_dict(token, new_phase=True)
+    got = rows(list(take(wider, 14)))  # an epoch's last batch may be short
+    assert len(got) >= len(reference) and got[: len(reference)] == reference
+    with pytest.raises(ConfigMismatch, match="cannot change a Mixture of streams"):
+        make(3, {"code": 0.2, "prose": 0.8}).load_state_dict(token, new_phase=True)

@@ -61,7 +61,7 @@ import torch.utils.data as tud
 from ledger import segments
 from ledger.commits import Commit, PipelineState, WorkerState, newest_segments, read_commit
 from ledger.errors import ConfigMismatch, LedgerError, LogCorrupted, UnsupportedArgument
-from ledger.pipeline import LoaderSettings, unchanged_phase
+from ledger.pipeline import LoaderSettings, phase_record
 from ledger.schema import BUFFER, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
 from ledger.stream.lanes import EMPTY, Lanes, Positions, cut, lane_pieces, source_seed
@@ -563,16 +563,21 @@ class MixedStreamPipeline:
     def new_phase(
         self, store: Store, head: Commit, current: dict[str, Any] | None, logged: dict[str, Any]
     ) -> dict[str, Any]:
-        """Refused unless nothing changed (:func:`ledger.pipeline.unchanged_phase`).
+        """A new phase with another batch size (as for a stream): each logical worker
+        goes on with its own mixed stream (positions, lanes, packer) where it stood and
+        cuts it into batches of the new size; the batch size enters no worker's stream,
+        so the state replays as without a phase.
 
         Raises:
-            ConfigMismatch: if the mixture's weights or anything else changed.
+            ConfigMismatch: if the mixture (its weights, sources) or anything but the
+                batch size changed.
         """
         base = current["config"] if current is not None else logged
         mine = self.config()
         if base.get("mixture") != mine["mixture"]:
-            # TODO(mixture-streams-phases): new weights need the phase's start in every
-            # worker's positions (a reshape's carry); refused until then.
+            # TODO(mixture-streams-phases): new weights need a phase start that every
+            # worker's positions respect (workers stand at different positions, and a
+            # lagging one may still serve an older phase's); refused until then.
             raise ConfigMismatch(
                 "mixture",
                 base.get("mixture"),
@@ -580,7 +585,7 @@ class MixedStreamPipeline:
                 "A new phase cannot change a Mixture of streams yet (map-style mixtures "
                 "can change their weights): resume with the phase's weights.",
             )
-        return unchanged_phase(mine, current, logged)
+        return phase_record(mine, current, logged, ("batch_size",), 0)
 
     def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
         """Rebuild the rank's state and lane buffers at ``head`` (another shape: see the
