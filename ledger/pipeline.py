@@ -262,15 +262,3 @@ def phase_record(
     refuse_phase(config, base, allowed)
     number = current["number"] + 1 if current is not None else 1
     return {"number": number, "config": config, "start": start, "base": []}
-
-
-def unchanged_phase(
-    config: dict[str, Any], current: dict[str, Any] | None, logged: dict[str, Any]
-) -> dict[str, Any]:
-    """The record of a phase that changes nothing (a pipeline whose configuration a
-    phase cannot change yet): refused unless the configuration is the same.
-
-    Raises:
-        ConfigMismatch: see :func:`refuse_phase`.
-    """
-    return phase_record(config, current, logged, (), 0)
