@@ -269,3 +269,22 @@ def test_a_new_phase_changes_the_batch_size_and_refuses_new_weights(sources, roo
     assert len(got) >= len(reference) and got[: len(reference)] == reference
     with pytest.raises(ConfigMismatch, match="cannot change a Mixture of streams"):
         make(3, {"code": 0.2, "prose": 0.8}).load_state_dict(token, new_phase=True)
+
+
+def test_a_rollback_skip_of_a_stream_mixture_is_exact_and_names_sources(sources, root) -> None:
+    first = loader(sources, root, True, 2)
+    list(take(first, 4))
+    token = first.state_dict()
+    reference = list(take(first, 12))
+    resumed = loader(sources, root, True, 2)
+    resumed.load_state_dict(token, skip_batches=3, reason="loss spike")
+    assert all(batches_equal(a, b) for a, b in zip(take(resumed, 9), reference[3:], strict=True))
+    resumed.state_dict()
+    rolled = (
+        connect(root)
+        .execute("SELECT DISTINCT CAST(source AS VARCHAR) FROM lineage WHERE kind = 'rollback'")
+        .fetchall()
+    )
+    assert sorted(r[0] for r in rolled) == ["code", "prose"]
+    out = CliRunner().invoke(main, ["audit", root, "--check", "mixture", "--check", "coverage"])
+    assert out.exit_code == 0, out.output

@@ -41,6 +41,7 @@ def _rolled_back(chunk: EventChunk, value: str) -> EventChunk:
         ROLLBACK, chunk.epoch, chunk.batch, chunk.worker, chunk.position, chunk.sample_ids,
         positions=chunk.positions, token_start=chunk.token_start, token_end=chunk.token_end,
         length=chunk.length, values=[value] * int(chunk.sample_ids.shape[0]),
+        sources=chunk.sources, source_names=chunk.source_names,  # a mixture of streams'
     )  # fmt: skip
 
 
