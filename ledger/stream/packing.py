@@ -117,7 +117,7 @@ class PackState:
 
     def fold(
         self, ids: np.ndarray, spans: np.ndarray, expect: Callable[[np.ndarray], None]
-    ) -> None:
+    ) -> np.ndarray:
         """Advance by a batch's logged spans (the replica's side), checking each continues
         the sample in progress or begins one.
 
@@ -127,49 +127,61 @@ class PackState:
             expect: checks the ids of the samples that begin here, in order, against the
                 worker's id stream.
 
+        Returns:
+            ``bool (rows,)``: the spans that begin a sample from the worker's id stream
+            (not a tail another shape left).
+
         Raises:
             LedgerError: if a span does not continue the packer's state.
         """
         if self.tails:
-            self._fold_slowly(ids, spans, expect)
-            return
+            return self._fold_slowly(ids, spans, expect)
         n = ids.size
-        if n == 0:
-            return
-        start, end, length = spans[:, 0], spans[:, 1], spans[:, 2]
-        # Span i begins a document iff the one before it finished its document.
-        finished = end >= length
         begins = np.empty(n, bool)
-        begins[0] = self.doc is None
-        begins[1:] = finished[:-1]
-        cont = ~begins
-        prev_ids = np.empty(n, np.int64)
-        prev_end = np.empty(n, np.int64)
-        if self.doc is not None:
-            prev_ids[0], prev_end[0] = self.doc[0], self.doc[1]
-        prev_ids[1:], prev_end[1:] = ids[:-1], end[:-1]
-        bad = (cont & ((ids != prev_ids) | (start != prev_end))) | (begins & (start != 0))
+        if n == 0:
+            return begins
+        start, end, length = spans[:, 0], spans[:, 1], spans[:, 2]
+        s0 = int(start[0])
+        if (s0 != 0) if self.doc is None else ((int(ids[0]), s0) != self.doc[:2]):
+            self._refuse(0, ids, spans, self.doc[:2] if self.doc else None)
+        # Span i > 0 continues span i - 1's sample if that one did not finish it (then it
+        # is the same sample, from where that one ended), else it begins one at token 0.
+        going = end[:-1] < length[:-1]
+        bad = (start[1:] != end[:-1] * going) | ((ids[1:] != ids[:-1]) & going)
         if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            at = (int(prev_ids[i]), int(prev_end[i])) if cont[i] else None
-            raise LedgerError(
-                f"{self.who} packed tokens [{int(start[i])}, {int(end[i])}) of "
-                f"sample {int(ids[i])}, but its packer was at {at if at else 'a new sample'}"
-            )
+            i = int(np.flatnonzero(bad)[0]) + 1
+            prev = (int(ids[i - 1]), int(end[i - 1])) if going[i - 1] else None
+            self._refuse(i, ids, spans, prev)
+        begins[0] = self.doc is None
+        np.logical_not(going, out=begins[1:])
         expect(ids[begins])
-        last = n - 1
-        self.doc = None if finished[last] else (int(ids[last]), int(end[last]), int(length[last]))
+        e, le = int(end[-1]), int(length[-1])
+        self.doc = None if e >= le else (int(ids[-1]), e, le)
+        return begins
+
+    def _refuse(
+        self, i: int, ids: np.ndarray, spans: np.ndarray, at: tuple[int, int] | None
+    ) -> None:
+        start, end = int(spans[i, 0]), int(spans[i, 1])
+        raise LedgerError(
+            f"{self.who} packed tokens [{start}, {end}) of "
+            f"sample {int(ids[i])}, but its packer was at {at if at else 'a new sample'}"
+        )
 
     def _fold_slowly(
         self, ids: np.ndarray, spans: np.ndarray, expect: Callable[[np.ndarray], None]
-    ) -> None:
+    ) -> np.ndarray:
         """Span by span: while samples another shape left come first."""
-        for sid, (start, end, length) in zip(ids.tolist(), spans.tolist(), strict=True):
+        begins = np.zeros(ids.size, bool)
+        for i, (sid, (start, end, length)) in enumerate(
+            zip(ids.tolist(), spans.tolist(), strict=True)
+        ):
             if self.doc is None:
                 if self.tails:
                     self.doc = self.tails.pop(0)
                 elif start == 0:
                     expect(np.array([sid], np.int64))
+                    begins[i] = True
                     self.doc = (sid, 0, length)
             if self.doc is None or self.doc[:2] != (sid, start):
                 raise LedgerError(
@@ -177,6 +189,7 @@ class PackState:
                     f"but its packer was at {self.doc}"
                 )
             self.doc = (sid, end, length) if end < length else None
+        return begins
 
 
 def assemble(

@@ -236,42 +236,38 @@ class StreamPipeline:
                 f"a batch of worker {meta.worker} (epoch {meta.epoch}) arrived where worker "
                 f"{state.next_worker} (epoch {state.epoch}) was next"
             )
-        replica = self.replicas[meta.worker]
-        replica.fold(meta)
-        positions = self.plan(state.epoch, state.origin).positions(meta.sample_ids)
-        values = meta.draws
+        worker = meta.worker
+        replica = self.replicas[worker]
+        placed = replica.fold(meta)
         spans = meta.spans
-        chunk = EventChunk(
-            SPAN if spans is not None else SAMPLE,
-            state.epoch,
-            state.batch,
-            meta.worker,
-            0,
-            meta.sample_ids,
-            positions=positions,
-            token_start=spans[:, 0] if spans is not None else None,
-            token_end=spans[:, 1] if spans is not None else None,
-            length=spans[:, 2] if spans is not None else None,
-            values=values,
-            digest=meta.digest,
-        )
+        if spans is None:
+            chunk = EventChunk(
+                SAMPLE, state.epoch, state.batch, worker, 0, meta.sample_ids,
+                positions=placed, values=meta.draws, digest=meta.digest,
+            )  # fmt: skip
+        else:
+            chunk = EventChunk(
+                SPAN, state.epoch, state.batch, worker, 0, meta.sample_ids,
+                positions=placed, token_start=spans[:, 0], token_end=spans[:, 1],
+                length=spans[:, 2], values=meta.draws, digest=meta.digest,
+            )  # fmt: skip
         events = [chunk]
         if meta.failures:
             failed = np.array([sid for sid, _, _ in meta.failures], np.int64)
             events.append(
                 EventChunk(
-                    ERROR, state.epoch, state.batch, meta.worker, 0, failed,
+                    ERROR, state.epoch, state.batch, worker, 0, failed,
                     positions=self.plan(state.epoch, state.origin).positions(failed),
                     values=[value for _, _, value in meta.failures],
                 )
             )  # fmt: skip
-        after = next_worker(self.replicas, meta.worker)
+        after = next_worker(self.replicas, worker)
         if after < 0:  # every logical worker of the rank finished: the epoch is over
             self.reset({})
             nxt = self.epoch_start(state.epoch + 1, state.batch + 1, state.origin)
         else:
             # Only the folded worker moved: the others' states are reused.
-            self._states[meta.worker] = replica.state()
+            self._states[worker] = replica.state()
             nxt = PipelineState(
                 self.rank,
                 state.epoch,
@@ -279,7 +275,8 @@ class StreamPipeline:
                 state.batch + 1,
                 tuple(self._states),
                 after,
-                origin=state.origin,
+                0,
+                state.origin,
             )
         return nxt, events
 

@@ -17,6 +17,9 @@ from ledger.stream.shuffle import IdFeed
 from ledger.stream.spec import Stream
 from ledger.stream.worker import BatchMeta
 
+_NOWHERE = np.zeros(0, np.int64)
+_ANY = np.zeros(1, np.int64)  # a placeholder position, never indexed
+
 
 class Replica:
     """Ids-only mirror of one logical worker, folded from the batches consumed from it.
@@ -34,6 +37,9 @@ class Replica:
         self.feed = feed
         self.worker = worker
         self.packing = PackState(doc, tails, f"worker {worker}")
+        # Epoch position of the packer's sample in progress (``int64 (1,)``), once known.
+        self._doc_placed: np.ndarray | None = None
+        self._begun = _NOWHERE  # positions of the samples the last batch began
 
     @property
     def doc(self) -> Tail | None:
@@ -49,32 +55,55 @@ class Replica:
         return self.feed.exhausted() and self.packing.exhausted()
 
     def state(self) -> WorkerState:
-        f = self.feed
         d = self.packing.doc if self.packing.doc is not None else (-1, 0, 0)
-        return WorkerState(
-            self.worker,
-            f.shard,
-            f.row,
-            f.rows_read,
-            f.draws,
-            f.emitted,
-            *d,
-            tails=tuple(self.packing.tails),
-        )
+        tails = self.packing.tails
+        return WorkerState(self.worker, *self.feed.cursor(), *d, tuple(tails) if tails else ())
 
-    def fold(self, meta: BatchMeta) -> None:
+    def fold(self, meta: BatchMeta) -> np.ndarray | None:
         """Advance by one consumed batch, checking it is what the plan predicts.
+
+        Returns:
+            The epoch position of each row's sample (``int64 (rows,)``; rows are
+            samples, or spans with packing), or ``None`` if the feed has no ``locate``.
 
         Raises:
             LedgerError: if the batch differs from the prediction (the data or the
                 worker's code is not deterministic).
         """
-        if not meta.failures:
-            if meta.spans is None:
-                self._expect(meta.sample_ids)
+        ids = meta.sample_ids
+        locate = self.feed.locate
+        if meta.failures:
+            self._fold_failures(meta, meta.failures)
+            self._doc_placed = None
+            return None if locate is None else locate(ids)
+        if meta.spans is not None:
+            if locate is None or self.packing.tails:
+                self.packing.fold(ids, meta.spans, self._expect)
+                self._doc_placed = None
+                return None if locate is None else locate(ids)
+            doc = self.packing.doc
+            begins = self.packing.fold(ids, meta.spans, self._expect_placed)
+            if ids.size == 0:
+                return _NOWHERE
+            # A span's sample is the one the latest span that began a sample began (or,
+            # before the first, the sample in progress at the batch's start).
+            if doc is None:
+                head = _ANY  # the first span begins a sample
+            elif self._doc_placed is None:  # a sample the replica did not begin
+                head = self._doc_placed = locate(np.array(doc[:1], np.int64))
             else:
-                self.packing.fold(meta.sample_ids, meta.spans, self._expect)
-            return
+                head = self._doc_placed
+            placed = np.concatenate((head, self._begun))[np.cumsum(begins)]
+            self._doc_placed = placed[-1:]
+            return placed
+        if locate is None:
+            self._expect(ids)
+            return None
+        want, placed = self.feed.take_placed(ids.size)
+        self._check(ids, want)
+        return placed
+
+    def _fold_failures(self, meta: BatchMeta, failures: list[tuple[int, int, str]]) -> None:
         # Samples that failed to load (on_error="skip") left the shuffled stream between
         # the good ones: the ids taken are the good ones with the failed ones put back.
         begun: list[np.ndarray] = []
@@ -85,20 +114,30 @@ class Replica:
         good = np.concatenate(begun) if begun else np.zeros(0, np.int64)
         taken = np.empty(meta.pulled, np.int64)
         failed = np.zeros(meta.pulled, np.bool_)
-        at = [k for _, k, _ in meta.failures]
+        at = [k for _, k, _ in failures]
         if good.size + len(at) != meta.pulled or not all(0 <= k < meta.pulled for k in at):
             raise LedgerError(
                 f"worker {self.worker} says it took {meta.pulled} samples for a batch, but "
                 f"the batch begins {good.size} and {len(at)} failed"
             )
         failed[at] = True
-        taken[failed] = [sid for sid, _, _ in meta.failures]
+        taken[failed] = [sid for sid, _, _ in failures]
         taken[~failed] = good
         self._expect(taken)
 
     def _expect(self, ids: np.ndarray) -> None:
-        want = self.feed.take(ids.size)
-        if want.size != ids.size or not np.array_equal(want, ids):
+        self._check(ids, self.feed.take(ids.size))
+
+    def _expect_placed(self, ids: np.ndarray) -> None:
+        want, self._begun = self.feed.take_placed(ids.size)
+        self._check(ids, want)
+
+    def _check(self, ids: np.ndarray, want: np.ndarray) -> None:
+        # Comparing the raw bytes of two int64 arrays is one memcmp (~10x cheaper than
+        # np.array_equal on a batch).
+        if ids.dtype != np.int64:
+            ids = ids.astype(np.int64)
+        if want.size != ids.size or want.tobytes() != ids.tobytes():
             bad = next(
                 (i for i in range(ids.size) if i >= want.size or want[i] != ids[i]), ids.size
             )
@@ -128,6 +167,7 @@ def replicas(
             buffers.get(st.worker, []),
             stream.shuffle_buffer,
             buffer_key(seed, plan.epoch, rank, st.worker),
+            plan.positions,
         )
         doc = (st.doc, st.doc_offset, st.doc_length) if st.doc >= 0 else None
         out.append(Replica(feed, st.worker, doc, list(st.tails)))
