@@ -448,6 +448,13 @@ class Commit:
         return self._extra.get("lineage")
 
     @property
+    def planned_skips(self) -> tuple[tuple[int, int, str], ...]:
+        """Ranges of batches ``[start, stop)`` to skip when reached, with their reasons
+        (:meth:`ledger.DataLoader.skip` with ``steps``): those not yet reached at this
+        commit, carried forward by every later commit of the lineage until reached."""
+        return tuple(self._extra.get("skips", ()))
+
+    @property
     def manifest(self) -> tuple[str, str] | None:
         """``(path, sha256)`` of the commit's manifest file; ``None`` when its marker
         names none (written before manifests existed)."""
@@ -526,6 +533,8 @@ class Commit:
         }
         if self.lineage_ranges is not None:
             d["lineage"] = [list(r) for r in self.lineage_ranges]
+        if self.planned_skips:
+            d["skips"] = [list(r) for r in self.planned_skips]
         return _dump(d)
 
     @classmethod
@@ -957,7 +966,7 @@ def parse_marker_v2(store: Store, cid: str, data: dict[str, Any]) -> Commit:
 
 
 def _manifest_fields(data: dict[str, Any], cid: str, where: str) -> dict[str, Any]:
-    """The optional ``manifest`` and ``lineage`` fields of a version-2 marker."""
+    """The optional ``manifest``, ``lineage`` and ``skips`` fields of a version-2 marker."""
     extra: dict[str, Any] = {}
     if "manifest" in data:
         ref = obj(data["manifest"], f"{where}, field 'manifest'")
@@ -975,6 +984,23 @@ def _manifest_fields(data: dict[str, Any], cid: str, where: str) -> dict[str, An
         if not ranges:
             raise LogCorrupted(f"{where}: field 'lineage' is empty")
         extra["lineage"] = tuple(ranges)
+    if "skips" in data:
+        planned = []
+        for r in items(data, "skips", where):
+            if not (
+                isinstance(r, list)
+                and len(r) == 3
+                and _is_int(r[0])
+                and _is_int(r[1])
+                and 0 <= r[0] < r[1]
+                and isinstance(r[2], str)
+            ):
+                raise LogCorrupted(
+                    f"{where}: field 'skips' holds {r!r}, not [start, stop, reason] with "
+                    "0 <= start < stop"
+                )
+            planned.append((r[0], r[1], r[2]))
+        extra["skips"] = tuple(planned)
     return extra
 
 

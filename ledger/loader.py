@@ -271,6 +271,8 @@ class DataLoader:
         self._world_size = world_size
         self._closed = False
         self._resume_from: Commit | None = None
+        # Ranges of batches [start, stop) to skip when reached, with reasons, by start.
+        self._planned: list[tuple[int, int, str]] = []
         self._resume_events: list[EventChunk] = []
         self._generation = 0
         self._iter_epoch: int | None = None
@@ -365,6 +367,7 @@ class DataLoader:
     def __iter__(self) -> Iterator[Any]:
         """Serve the rest of the current epoch (a whole epoch after the previous ended)."""
         self._ensure_started()
+        self._skip_due()
         self._generation += 1
         generation = self._generation
         self._iter_epoch = self._state.epoch
@@ -383,8 +386,21 @@ class DataLoader:
         start_epoch = self._state.epoch
         pipeline = self._pipeline
         append = self._ledger.append
+        iterator = iter(batches)
         try:
-            for tag, data in batches:
+            while True:
+                if self._planned and generation == self._generation and self._due():
+                    # A planned range begins at the next batch: the batches torch
+                    # prefetched are the skipped ones; go on from after the range.
+                    self._stop(iterator)
+                    self._skip_due()
+                    if self._state.epoch != start_epoch:
+                        return  # the skip finished the epoch
+                    iterator = iter(pipeline.begin(self._state))
+                item = next(iterator, None)
+                if item is None:
+                    break
+                tag, data = item
                 self._check_generation(generation)
                 state, events = pipeline.record(self._state, tag)
                 for chunk in events:
@@ -396,6 +412,27 @@ class DataLoader:
         finally:
             if generation == self._generation:
                 self._iter_epoch = None
+
+    def _stop(self, iterator: Any) -> None:
+        """Shut down the workers of a torch iterator whose prefetched batches no one will
+        take (persistent workers are kept: torch resets them on the next ``iter``)."""
+        if getattr(self._torch_loader, "persistent_workers", False):
+            return
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    def _due(self) -> bool:
+        """Whether the next batch lies in a planned range."""
+        return bool(self._planned) and self._planned[0][0] <= self._state.batch
+
+    def _skip_due(self) -> None:
+        """Skip the planned ranges the next batch lies in (logged as ``rollback``)."""
+        while self._due():
+            _, stop, reason = self._planned.pop(0)
+            if stop > self._state.batch:
+                self._skip_now(stop - self._state.batch, reason)
+        self._ledger.planned_skips = tuple(self._planned)
 
     # ------------------------------------------------------------------ lifetime
 
@@ -474,8 +511,15 @@ class DataLoader:
             "step": head.step if head else 0,
         }
 
-    def skip(self, batches: int, *, reason: str) -> None:
-        """Skip this rank's next ``batches`` batches on purpose, on the record.
+    def skip(
+        self,
+        batches: int | None = None,
+        *,
+        reason: str,
+        steps: range | Sequence[tuple[int, int]] | None = None,
+    ) -> None:
+        """Skip this rank's next ``batches`` batches, or the batches of ``steps`` when
+        they are reached, on purpose and on the record.
 
         For loss-spike recovery as in PaLM (Chowdhery et al. 2022, section 5.1: restart
         from a checkpoint about 100 steps before the spike and skip about 200-500
@@ -496,13 +540,22 @@ class DataLoader:
         rank skips its own next ``batches`` batches.
 
         Args:
-            batches: how many batches to skip (>= 1). To skip a range of steps
-                ``[a, b)`` with ``a`` ahead of the current batch index, iterate up to
-                ``a`` and call ``skip(b - a, ...)`` there.
+            batches: how many batches to skip now (>= 1); or ``None`` with ``steps``.
             reason: why, for the record (e.g. ``"loss spike at step 41230"``).
+            steps: batch indexes to skip when the loader reaches them (the token's
+                ``step`` counts batch indexes): a ``range(a, b)`` (step 1) or a list of
+                ``(a, b)`` pairs, each the range ``[a, b)``. A range is *planned*: it is
+                written in every commit's marker until reached (so a resume from any
+                later checkpoint still skips it), and when the loader reaches ``a`` it
+                skips to ``b`` as ``skip(b - a)`` would, the reason on every ``rollback``
+                event. A range the loader is already inside skips the rest of it at
+                once. Planned ranges may not overlap each other.
 
         Raises:
-            ValueError: if ``batches < 1`` or ``reason`` is empty.
+            ValueError: if ``batches < 1``, both or neither of ``batches`` and ``steps``
+                are given, a range of ``steps`` is empty, malformed, already passed
+                (``b <=`` the current batch index) or overlaps another planned one, or
+                ``reason`` is empty.
 
         Note:
             A live iterator of the loader is invalidated (its next ``next()`` raises
@@ -511,15 +564,70 @@ class DataLoader:
             of the journal.
         """
         self._check_open()
-        if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
+        if (batches is None) == (steps is None):
+            raise ValueError("skip() takes a number of batches or steps=, not both or neither")
+        if batches is not None and (
+            not isinstance(batches, int) or isinstance(batches, bool) or batches < 1
+        ):
             raise ValueError(f"skip() takes a number of batches >= 1, got {batches!r}")
         if not isinstance(reason, str) or not reason.strip():
             raise ValueError("skip() needs a reason for the record, e.g. reason='loss spike'")
         self._ensure_started()
-        before = self._state
-        state, events = self._pipeline.skip(before, batches, reason)
+        if steps is not None:
+            self._plan(steps, reason)
+            if self._due():
+                self._skip_due()
+                self._generation += 1  # prefetched batches of a live iterator are skipped
+                self._iter_epoch = None
+            return
+        assert batches is not None
+        self._skip_now(batches, reason)
         self._generation += 1  # prefetched batches of a live iterator are the skipped ones
         self._iter_epoch = None
+
+    def _plan(self, steps: range | Sequence[tuple[int, int]], reason: str) -> None:
+        """Add ``steps`` to the planned ranges (see :meth:`skip`).
+
+        Raises:
+            ValueError: for an empty, malformed, passed or overlapping range.
+        """
+        if isinstance(steps, range):
+            if steps.step != 1:
+                raise ValueError(f"steps= takes a range with step 1, got {steps!r}")
+            pairs: list[Any] = [(steps.start, steps.stop)]
+        else:
+            pairs = list(steps)
+        planned = list(self._planned)
+        for pair in pairs:
+            ok = isinstance(pair, tuple | list) and len(pair) == 2
+            if not ok or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair):
+                raise ValueError(f"steps= takes (start, stop) pairs of ints, got {pair!r}")
+            start, stop = int(pair[0]), int(pair[1])
+            if not 0 <= start < stop:
+                raise ValueError(f"steps [{start}, {stop}) is empty or negative")
+            if stop <= self._state.batch:
+                raise ValueError(
+                    f"steps [{start}, {stop}) are passed already: the next batch is "
+                    f"{self._state.batch}; resume from an older checkpoint to skip them"
+                )
+            clash = next((p for p in planned if p[0] < stop and start < p[1]), None)
+            if clash is not None:
+                raise ValueError(
+                    f"steps [{start}, {stop}) overlap the planned skip [{clash[0]}, "
+                    f"{clash[1]}) ({clash[2]!r})"
+                )
+            planned.append((start, stop, reason))
+        self._planned = sorted(planned)
+        self._ledger.planned_skips = tuple(self._planned)
+        logger.info(
+            "rank %d will skip batches %s: %s",
+            self._rank, ", ".join(f"[{a}, {b})" for a, b, _ in self._planned), reason,
+        )  # fmt: skip
+
+    def _skip_now(self, batches: int, reason: str) -> None:
+        """Skip the next ``batches`` batches (see :meth:`skip`)."""
+        before = self._state
+        state, events = self._pipeline.skip(before, batches, reason)
         for chunk in events:
             self._ledger.append(chunk)
         self._state = state
@@ -535,6 +643,7 @@ class DataLoader:
         *,
         new_phase: bool = False,
         skip_batches: int = 0,
+        skip_steps: range | Sequence[tuple[int, int]] | None = None,
         reason: str = "",
     ) -> None:
         """Resume from a token returned by :meth:`state_dict`, by replaying the log.
@@ -559,7 +668,11 @@ class DataLoader:
                 See the README's "Phases".
             skip_batches: then skip this many batches on the record (:meth:`skip`, for
                 loss-spike recovery); 0: none.
-            reason: why they are skipped (required with ``skip_batches``).
+            skip_steps: then plan these batch indexes to be skipped when reached
+                (``skip(steps=...)``): a ``range(a, b)`` or ``(a, b)`` pairs. Ranges
+                planned before the token's commit (in its lineage) stay planned.
+            reason: why they are skipped (required with ``skip_batches`` or
+                ``skip_steps``).
 
         Raises:
             TokenError: if the token is malformed or of another version.
@@ -574,8 +687,12 @@ class DataLoader:
                 loader would not continue it exactly.
         """
         self._check_open()
-        if skip_batches and (not isinstance(reason, str) or not reason.strip()):
-            raise ValueError("load_state_dict(skip_batches=...) needs a reason for the record")
+        if (skip_batches or skip_steps is not None) and (
+            not isinstance(reason, str) or not reason.strip()
+        ):
+            raise ValueError(
+                "load_state_dict(skip_batches=... or skip_steps=...) needs a reason for the record"
+            )
         if not isinstance(skip_batches, int) or isinstance(skip_batches, bool) or skip_batches < 0:
             raise ValueError(f"skip_batches must be an int >= 0, got {skip_batches!r}")
         token = _check_token(state_dict)
@@ -613,6 +730,9 @@ class DataLoader:
             self._check_last_batch(head, state)
         self._state = state
         self._resume_from = head
+        # Ranges planned in the lineage and not reached at the commit stay planned.
+        self._planned = sorted(head.planned_skips) if head is not None else []
+        self._ledger.planned_skips = tuple(self._planned)
         if head is not None:
             old_workers = len(head.states[0].workers) if head.states else 0
             new_workers = self._pipeline.workers
@@ -641,6 +761,8 @@ class DataLoader:
             self._start_attempt()
         if skip_batches:
             self.skip(skip_batches, reason=reason)
+        if skip_steps is not None:
+            self.skip(steps=skip_steps, reason=reason)
 
     def _phase(
         self, token: dict[str, Any], moved: bool, logged: dict[str, Any], new_phase: bool

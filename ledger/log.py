@@ -121,6 +121,8 @@ class Ledger:
         self.run_id: str | None = None
         self._config: dict[str, Any] = {}
         self.phase: dict[str, Any] | None = None  # the phase of the attempt (None: the first)
+        # Ranges of batches to skip when reached, written in each commit's marker.
+        self.planned_skips: tuple[tuple[int, int, str], ...] = ()
         self.attempt: int | None = None
         self.head: Commit | None = None  # the latest commit of this lineage
         self._pending: list[EventChunk] = []
@@ -264,7 +266,7 @@ class Ledger:
             self._resolve_inflight(state)
         if self.group.coordinated:
             return self._commit_collective(state, snapshot)
-        if not self._pending and self.head is not None and self.head.step == state.batch:
+        if not self._pending and self.head is not None and self._unchanged(state.batch):
             return self.head
         inflight = self._inflight or self._prepare(state, snapshot)
         self._inflight = inflight
@@ -351,7 +353,7 @@ class Ledger:
             return {"collect": True}
         step = int(rows[0, 12])  # rank 0's batch
         news = (rows[:, 0] == NEWS).any()
-        if not news and self.head is not None and self.head.step == step:
+        if not news and self._unchanged(step):
             return {"commit": None}
         inflight = self._inflight
         assert inflight is not None
@@ -394,6 +396,15 @@ class Ledger:
         if inflight.ref is not None and inflight.data is not None:
             self.store.write_atomic(inflight.ref.path, inflight.data)
 
+    def _unchanged(self, step: int) -> bool:
+        """Whether a commit at ``step`` with no new event would repeat the head: same
+        step, and the same planned skips or the same attempt (whose marker at this step
+        exists already: a skip planned since waits for the next commit after a batch)."""
+        head = self.head
+        if head is None or head.step != step:
+            return False
+        return head.attempt == self.attempt or head.planned_skips == self.planned_skips
+
     def _marker(self, step: int, rows: np.ndarray) -> Commit:
         """The commit of ``rows`` (one per rank, :func:`ledger.ranks.pack`), carrying each
         rank's newest segment forward from the head."""
@@ -412,7 +423,10 @@ class Ledger:
             "created_at": now_iso(),
         }
         ranges = self.head.lineage_ranges if self.head is not None else None
-        return new_commit(header, from_rows(rows, parent), ranges)
+        commit = new_commit(header, from_rows(rows, parent), ranges)
+        if self.planned_skips:
+            commit._extra["skips"] = self.planned_skips
+        return commit
 
     def _committed(self, commit: Commit) -> Commit:
         assert self.attempt is not None and self._journal is not None

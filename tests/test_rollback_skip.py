@@ -210,3 +210,128 @@ def test_a_mixture_skips_by_its_positions(tmp_path):
     again.load_state_dict(resumed.state_dict())
     assert _same(list(take(again, 4)), reference[10:14]) == []
     assert summarize(root).skipped_batches == (SkippedBatches(0, 3, 6, 12, "spike", 1),)
+
+
+# ---------------------------------------------------------------- planned ranges of steps
+
+
+def _resume_each(make, tokens, expected):
+    """Each ``(done, token)`` resumed by a fresh loader continues ``expected[done:]``."""
+    for done, token in tokens:
+        again = make()
+        again.load_state_dict(token)
+        rest = list(take(again, len(expected) - done))
+        assert _same(rest, expected[done:]) == [], f"resumed after {done} served batches"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_planned_range_of_steps_is_skipped_when_reached(tmp_path, workers):
+    reference = list(take(_make(str(tmp_path / "ref")), 20))  # 5 batches per epoch
+    root = str(tmp_path / "log")
+    run = _make(root, workers)
+    got = list(take(run, 2))
+    older = run.state_dict()  # step 2: before the request
+    got += list(take(run, 1))
+    run.skip(steps=range(4, 7), reason="bad shard")  # crosses into epoch 1 (batch 5)
+    tokens = [(3, run.state_dict())]
+    for batch in take(run, 10):
+        got.append(batch)
+        tokens.append((len(got), run.state_dict()))
+    # Served: batches 0..3, then 7..16 of the data order: the range was skipped, once.
+    expected = reference[:4] + reference[7:16]
+    assert _same(got, expected) == []
+    assert [t["step"] for _, t in tokens] == [3, 4, *range(8, 17)]
+    # Every later resume is exact: between the request and the range (3, 4: the range is
+    # in the marker), and after it.
+    _resume_each(lambda: _make(root, 2 - workers), tokens, expected)
+    s = summarize(root)
+    assert [(r.first, r.last, r.reason) for r in s.skipped_batches] == [(4, 6, "bad shard")]
+    assert show(root, 5).skip_reason == "bad shard"
+    # A checkpoint from before the request does not hold it: its lineage never asked.
+    again = _make(root, workers)
+    again.load_state_dict(older)
+    assert _same(list(take(again, 6)), reference[2:8]) == []
+
+
+def test_a_range_planned_at_a_resume_and_one_the_head_is_inside(root):
+    reference = list(take(_make(root + "-ref"), 17))
+    run = _make(root)
+    list(take(run, 6))
+    token = run.state_dict()
+    # At the resume: a range ahead, and one the head (batch 6) is inside of.
+    resumed = _make(root)
+    resumed.load_state_dict(token, skip_steps=[(9, 11), (4, 8)], reason="loss spike")
+    got, tokens = [], [(0, resumed.state_dict())]  # a commit at step 8 that plans [9, 11)
+    for batch in take(resumed, 6):
+        got.append(batch)
+        tokens.append((len(got), resumed.state_dict()))
+    expected = [reference[8], *reference[11:16]]
+    assert _same(got, expected) == []
+    assert [t["step"] for _, t in tokens] == [8, 9, 12, 13, 14, 15, 16]
+    _resume_each(lambda: _make(root), tokens, expected)
+    s = summarize(root)
+    assert [(r.first, r.last, r.reason) for r in s.skipped_batches] == [
+        (6, 7, "loss spike"),
+        (9, 10, "loss spike"),
+    ]
+
+
+def test_planned_steps_are_checked(root):
+    run = _make(root)
+    list(take(run, 5))
+    with pytest.raises(ValueError, match="passed already"):
+        run.skip(steps=range(1, 5), reason="x")
+    with pytest.raises(ValueError, match="empty"):
+        run.skip(steps=[(9, 9)], reason="x")
+    with pytest.raises(ValueError, match="not both or neither"):
+        run.skip(2, steps=range(8, 9), reason="x")
+    run.skip(steps=range(8, 12), reason="first")
+    with pytest.raises(ValueError, match=r"overlap the planned skip \[8, 12\)"):
+        run.skip(steps=[(11, 14)], reason="second")
+    with pytest.raises(ValueError, match="range with step 1"):
+        run.skip(steps=range(20, 30, 2), reason="x")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_packed_stream_skips_a_planned_range(tmp_path, workers):
+    from conftest import packed_stream
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for k in range(2):
+        rows = [json.dumps({"text": f"doc {k}.{i} " + "w" * (i % 7)}) for i in range(12)]
+        (shards / f"part-{k}.jsonl").write_text("\n".join(rows) + "\n")
+
+    def make(root):
+        return ledger.DataLoader(
+            packed_stream(str(shards), 3), batch_size=2, shuffle=True, seed=1, log=root,
+            num_workers=workers,
+        )  # fmt: skip
+
+    reference = list(take(make(str(tmp_path / "ref")), 16))
+    root = str(tmp_path / "log")
+    run = make(root)
+    got = list(take(run, 2))
+    run.skip(steps=range(5, 8), reason="spike")
+    tokens = [(2, run.state_dict())]
+    for batch in take(run, 8):
+        got.append(batch)
+        tokens.append((len(got), run.state_dict()))
+    expected = reference[:5] + reference[8:13]
+    assert _same(got, expected) == []
+    _resume_each(lambda: make(root), tokens[:-2], expected)
+    assert [(r.first, r.last) for r in summarize(root).skipped_batches] == [(5, 7)]
+
+
+def test_a_checkpoint_right_after_planning_at_a_resume_holds_the_plan(root):
+    reference = list(take(_make(root + "-ref"), 12))
+    run = _make(root)
+    list(take(run, 6))
+    token = run.state_dict()
+    resumed = _make(root)
+    resumed.load_state_dict(token, skip_steps=range(8, 10), reason="bad shard")
+    planned = resumed.state_dict()  # no batch since: a commit of the new attempt, step 6
+    assert planned["step"] == 6 and planned["commit"] != token["commit"]
+    again = _make(root)
+    again.load_state_dict(planned)
+    assert _same(list(take(again, 4)), [*reference[6:8], *reference[10:12]]) == []
