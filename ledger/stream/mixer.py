@@ -78,7 +78,8 @@ class MixedRun:
         self.seed = seed
         self.batch_size = batch_size
         self.collate_fn = collate_fn
-        self.offsets = mixture.offsets
+        self._total = mixture.total  # Python ints: per sample, numpy scalars cost more
+        self._offsets = [int(o) for o in mixture.offsets]
         self.positions = plan.positions
         self.k = mixer.emitted
         self.lanes = [
@@ -114,7 +115,7 @@ class MixedRun:
         self.k += 1
         lane = self.lanes[s]
         row, loaded = lane.next()
-        return self.mixture.ext_id(lane.epoch, s, row), loaded
+        return lane.epoch * self._total + self._offsets[s] + row, loaded  # Mixture.ext_id
 
     def _reopen(self, tail: Tail) -> np.ndarray:
         """The tokens of a sample begun before (a tail, or the sample in progress)."""

@@ -17,7 +17,11 @@ function of the seed and of counters in the worker's state, so nothing random is
    runs out. A position of source ``s`` takes the next sample of the worker's lane ``s``, so
    each source keeps its own order and epochs (a small source repeats; every source
    epoch serves each of its samples once) and lanes live on across mixture epochs. A
-   sample's transform is seeded from ``(source seed, source epoch, sample id)``.
+   sample's transform is seeded from ``(source seed, source epoch, sample id)``. A
+   source's epoch is per lane: the lanes of a source go through its epochs at the rate
+   their workers draw it, equal on average (equal runs, and every worker takes every
+   ``G``-th position), so a small source's lanes may drift a few source epochs apart
+   over a long run; each sample is still served once per epoch of its lane.
 3. **Packing** (all sources with the same :class:`~ledger.stream.Packer`, or none): the
    worker packs its mixed samples as a stream's worker packs its own
    (:mod:`ledger.stream.packing`); its last sequence of a mixture epoch is padded.
@@ -32,6 +36,12 @@ function of the seed and of counters in the worker's state, so nothing random is
    stride. Every position of every mixture epoch is served once, and every sample of
    every source epoch once, across the shapes; the order after the change is a function
    of the new shape.
+
+Costs: a resume reads the head marker and one segment per rank (the lanes' ``buffer``
+events); a change of shape reads each old rank's newest segment that holds buffered
+rows, and again for each earlier change of shape whose carried source epoch a lane is
+still in (as a stream does for a carried epoch). Per batch, the main process computes
+the batch's positions, their sources and each lane's next ids with array operations.
 
 Events: ``sample_id`` is the sample's row in its source, ``source`` its source,
 ``position`` its place in the mixture epoch, ``worker`` the logical worker.
@@ -116,7 +126,7 @@ class MixedStreamPipeline:
 
     Raises:
         ValueError: for ``drop_last=True`` or ``persistent_workers=True``, or an epoch
-            with fewer positions than logical workers.
+            with fewer positions, or a source with fewer rows, than logical workers.
         UnsupportedArgument: for ``on_error="skip"`` (streams do not support it yet).
     """
 
