@@ -182,17 +182,18 @@ def read_compaction(store: Store, cid: str) -> Compaction:
         table = read.cast(PIECES_SCHEMA).to_pydict()
     except (pa.ArrowException, ValueError, KeyError) as e:
         raise LogCorrupted(f"{store.full(ref['path'])} is not a pieces table: {e}") from e
-    pieces = {}
-    for i, path in enumerate(table["path"]):
-        pieces[path] = Piece(
-            files[table["file"][i]].path,
-            table["first_group"][i],
-            table["groups"][i],
-            table["rows"][i],
-            table["sha256"][i],
-            table["commit_id"][i],
-            table["first_row"][i],
-        )
+    names = [f.path for f in files]
+    try:
+        pieces = {
+            path: Piece(names[file], first_group, groups, rows, digest, commit, first_row)
+            for path, file, first_group, groups, rows, digest, commit, first_row in zip(
+                *(table[k] for k in ("path", "file", "first_group", "groups", "rows")),
+                *(table[k] for k in ("sha256", "commit_id", "first_row")),
+                strict=True,
+            )
+        }
+    except IndexError as e:
+        raise LogCorrupted(f"{store.full(ref['path'])} names a file {rel} does not list") from e
     return Compaction(cid, before, created, files, pieces, catalog)
 
 
@@ -268,33 +269,48 @@ def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
         ranks = table["ranks"].combine_chunks()
         values = ranks.values.to_numpy()
         offsets = ranks.offsets.to_numpy()
-        cols = {name: table[name].to_pylist() for name in CATALOG_SCHEMA.names if name != "ranks"}
+        lineage = table["lineage"].combine_chunks()
+        # Flattened ranges and their offsets (null: the marker names no lineage).
+        flat = lineage.values.to_numpy(zero_copy_only=False).tolist()
+        starts = lineage.offsets.to_numpy().tolist()
+        has_lineage = lineage.is_valid().to_numpy(zero_copy_only=False).tolist()
+        cols = {
+            name: table[name].to_pylist()
+            for name in CATALOG_SCHEMA.names
+            if name not in ("ranks", "lineage")
+        }
     except (pa.ArrowException, ValueError, KeyError) as e:
         raise LogCorrupted(f"{where} is not a catalog of commits: {e}") from e
     sizes = np.diff(offsets)
     worlds = np.asarray(cols["world_size"], np.int64)
     if not np.array_equal(sizes, worlds * np.asarray(cols["width"], np.int64)):
         raise LogCorrupted(f"{where}: a commit has a rank table of another shape")
+    # One loop of plain values per commit (10^4 commits of a long history): no Arrow or
+    # dict access inside it.
     out = {}
-    for cid, step, attempt, parent, world, created, width, lo, hi, digest, flat in zip(
-        cols["id"],
-        cols["step"],
-        cols["attempt"],
-        cols["parent"],
-        cols["world_size"],
-        cols["created_at"],
-        cols["width"],
-        offsets[:-1].tolist(),
-        offsets[1:].tolist(),
-        cols["manifest_sha256"],
-        cols["lineage"],
-        strict=True,
+    for k, (cid, step, attempt, parent, world, created, width, lo, hi, digest) in enumerate(
+        zip(
+            cols["id"],
+            cols["step"],
+            cols["attempt"],
+            cols["parent"],
+            cols["world_size"],
+            cols["created_at"],
+            cols["width"],
+            offsets[:-1].tolist(),
+            offsets[1:].tolist(),
+            cols["manifest_sha256"],
+            strict=True,
+        )
     ):
         extra: dict[str, Any] = {}
         if digest is not None:
             extra["manifest"] = (manifest_path(cid), digest)
-        if flat is not None:
-            extra["lineage"] = tuple(tuple(flat[i : i + 3]) for i in range(0, len(flat), 3))
+        if has_lineage[k]:
+            r = flat[starts[k] : starts[k + 1]]
+            if len(r) % 3:
+                raise LogCorrupted(f"{where}: commit {cid} has lineage ranges of {len(r)} values")
+            extra["lineage"] = tuple(zip(r[0::3], r[1::3], r[2::3], strict=True))
         rows = values[lo:hi].reshape(world, width)
         out[cid] = commit_from_rows(cid, step, attempt, parent, world, created, rows, extra)
     return out

@@ -320,12 +320,18 @@ def check(store: Store, commits: Sequence[object], threads: int = 8) -> list[str
             return str(e)
         return None
 
+    def some(chunk: list[Any]) -> list[str | None]:
+        return [one(c) for c in chunk]
+
     problems: list[str] = []
     if named:
+        # A few dozen files per task: a future per file costs about what reading a small
+        # local file does.
+        chunks = [named[i : i + 32] for i in range(0, len(named), 32)]
         with ThreadPoolExecutor(
-            max(1, min(threads, len(named))), thread_name_prefix="ledger-manifest"
+            max(1, min(threads, len(chunks))), thread_name_prefix="ledger-manifest"
         ) as pool:
-            problems.extend(p for p in pool.map(one, named) if p is not None)
+            problems.extend(p for found in pool.map(some, chunks) for p in found if p is not None)
     for c in by_id.values():
         if c.lineage_ranges is not None:
             parent = by_id.get(c.parent) if c.parent is not None else None

@@ -290,10 +290,7 @@ def counts(
         # A mixture's sources repeat by design: each position of its epoch is once.
         key="position" if "mixture" in config else "sample_id",
     )
-    table = pa.table(
-        {name: [getattr(s, name) for s in result.segments] for name in _SEGMENT_COUNTS.names},
-        schema=_SEGMENT_COUNTS,
-    )
+    table = result.segments.select(_SEGMENT_COUNTS.names)
     con.register("segment_counts", table)
     return result
 
