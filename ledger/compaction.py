@@ -46,6 +46,7 @@ from ledger.commits import (
     lineage,
     list_commits,
     newest_segments,
+    no_cycles,
     now_iso,
     parsing_once,
     read_run,
@@ -184,14 +185,15 @@ def read_compaction(store: Store, cid: str) -> Compaction:
         raise LogCorrupted(f"{store.full(ref['path'])} is not a pieces table: {e}") from e
     names = [f.path for f in files]
     try:
-        pieces = {
-            path: Piece(names[file], first_group, groups, rows, digest, commit, first_row)
-            for path, file, first_group, groups, rows, digest, commit, first_row in zip(
-                *(table[k] for k in ("path", "file", "first_group", "groups", "rows")),
-                *(table[k] for k in ("sha256", "commit_id", "first_row")),
-                strict=True,
-            )
-        }
+        with no_cycles():
+            pieces = {
+                path: Piece(names[file], first_group, groups, rows, digest, commit, first_row)
+                for path, file, first_group, groups, rows, digest, commit, first_row in zip(
+                    *(table[k] for k in ("path", "file", "first_group", "groups", "rows")),
+                    *(table[k] for k in ("sha256", "commit_id", "first_row")),
+                    strict=True,
+                )
+            }
     except IndexError as e:
         raise LogCorrupted(f"{store.full(ref['path'])} names a file {rel} does not list") from e
     return Compaction(cid, before, created, files, pieces, catalog)
@@ -287,6 +289,19 @@ def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
         raise LogCorrupted(f"{where}: a commit has a rank table of another shape")
     # One loop of plain values per commit (10^4 commits of a long history): no Arrow or
     # dict access inside it.
+    with no_cycles():
+        return _catalog_commits(where, cols, offsets, values, flat, starts, has_lineage)
+
+
+def _catalog_commits(
+    where: str,
+    cols: dict[str, list[Any]],
+    offsets: np.ndarray,
+    values: np.ndarray,
+    flat: list[int],
+    starts: list[int],
+    has_lineage: list[bool],
+) -> dict[str, Commit]:
     out = {}
     for k, (cid, step, attempt, parent, world, created, width, lo, hi, digest) in enumerate(
         zip(

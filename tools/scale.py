@@ -12,11 +12,12 @@ path rank 0 takes at a commit), then times, in this one process:
 - **marker bytes per rank** and the **marker parse** time at W ranks;
 - **verify** and **audit** (``ledger.audit.summarize``) at C commits;
 - **audit after compaction**: 10^6 events written as 10 segments, as 10,000, and the
-  10,000 after ``ledger compact``.
+  10,000 after ``ledger compact``; then ``verify`` of the compacted log.
 
 Each row gives the time at each size and the slope of log(time) against log(size)
 between the smallest and largest size (0: flat, 1: linear). Times are the best of
-``--repeat`` runs.
+``--repeat`` runs; ``verify`` and the audit also give their CPU seconds (this process,
+all threads), which a shared machine's load moves less than wall-clock time.
 
 Example:
     nice -n 10 python tools/scale.py                # about 3 minutes on 2 cores
@@ -135,12 +136,19 @@ def build(root: str, commits: int, world: int, batch: int, batches_per_commit: i
 
 
 def best(fn: Callable[[], Any], repeat: int) -> float:
-    times = []
+    return timed(fn, repeat)[0]
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float]:
+    """The best wall-clock and the best CPU seconds (this process, all its threads) of
+    ``repeat`` runs: on a shared machine the CPU seconds move less with the load."""
+    walls, cpus = [], []
     for _ in range(repeat):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+        walls.append(time.perf_counter() - t)
+        cpus.append(time.process_time() - c)
+    return min(walls), min(cpus)
 
 
 def slope(sizes: list[int], values: list[float]) -> float:
@@ -229,10 +237,12 @@ def main() -> None:
 
         resumes = [best(lambda c=c: resume(c), args.repeat) for c in commits]
         rows.append(("resume (s)", commits, resumes, "C"))
-        verifies = [best(lambda c=c: verify(f"{base}/c{c}"), 1) for c in commits[1:]]
-        rows.append(("verify (s)", commits[1:], verifies, "C"))
-        audits = [best(lambda c=c: summarize(f"{base}/c{c}"), 1) for c in commits[1:]]
-        rows.append(("audit summary (s)", commits[1:], audits, "C"))
+        verifies = [timed(lambda c=c: verify(f"{base}/c{c}"), 1) for c in commits[1:]]
+        rows.append(("verify (s)", commits[1:], [v[0] for v in verifies], "C"))
+        rows.append(("verify, CPU (s)", commits[1:], [v[1] for v in verifies], "C"))
+        audits = [timed(lambda c=c: summarize(f"{base}/c{c}"), 1) for c in commits[1:]]
+        rows.append(("audit summary (s)", commits[1:], [a[0] for a in audits], "C"))
+        rows.append(("audit summary, CPU (s)", commits[1:], [a[1] for a in audits], "C"))
 
         elastic = []
         for w in olds:
@@ -255,13 +265,17 @@ def main() -> None:
         big = commits[-1]
         few = build(f"{base}/few", 10, 1, 100, batches_per_commit=big // 10)
         assert few["step"] == big
-        t_few = best(lambda: summarize(f"{base}/few"), args.repeat)
+        t_few, c_few = timed(lambda: summarize(f"{base}/few"), args.repeat)
         many = f"{base}/c{big}"
-        t_many = best(lambda: summarize(many), args.repeat)
+        t_many, c_many = timed(lambda: summarize(many), args.repeat)
         t = time.perf_counter()
         result = compact(many)
         t_compact = time.perf_counter() - t
-        t_after = best(lambda: summarize(many), args.repeat)
+        t_after, c_after = timed(lambda: summarize(many), args.repeat)
+        # Once more from 10 segments, after: the load moves during a run.
+        t_few2, c_few2 = timed(lambda: summarize(f"{base}/few"), args.repeat)
+        t_few, c_few = min(t_few, t_few2), min(c_few, c_few2)
+        v_after = timed(lambda: verify(many), 1)
         head = read_commit(Store(many), tokens[big]["commit"])
         assert head.step == big
     finally:
@@ -289,6 +303,15 @@ def main() -> None:
         f"{result.segments:,} of them into {result.files} files ({t_compact:.1f} s): "
         f"{t_after:.3f} s ({t_after / t_few:.2f}x)"
     )
+    console.print(
+        f"same, CPU seconds: 10 segments {c_few:.3f}; {big:,} segments {c_many:.3f} "
+        f"({c_many / c_few:.2f}x); compacted {c_after:.3f} ({c_after / c_few:.2f}x)"
+    )
+    console.print(
+        f"verify at C={big:,} after compacting: {v_after[0]:.3f} s, {v_after[1]:.3f} CPU s "
+        f"(before: {verifies[-1][0]:.3f} s, {verifies[-1][1]:.3f} CPU s)"
+    )
+    console.print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     console.print(f"resume at C={commits[-1]:,} vs C={commits[0]}: "
                   f"{rows[0][2][-1] / rows[0][2][0]:.2f}x")  # fmt: skip
     if args.dir is None:
