@@ -22,7 +22,8 @@ load_sample`); ``"batch"`` and ``"off"`` leave them alone.
 A dataset with ``__getitems__`` (HF ``datasets.Dataset``, ``torch.utils.data.Subset``)
 is always fetched a batch at a time: one ``__getitems__`` call per batch. Its batch code
 runs once, so it is seeded once per batch in the ``"sample"`` mode too (with the batch
-seed).
+seed). A :class:`ledger.Mixture` with such a source has a ``__getitems__`` too (one call
+per source of the batch, :meth:`ledger.mixture.Mixture._getitems`).
 Bad samples (``DataLoader(on_error="skip")``, :func:`fetch_samples`): a sample whose
 loading raises is left out and reported as a :class:`Failure`; a batched
 ``__getitems__`` that raises is retried one sample at a time after re-seeding as before

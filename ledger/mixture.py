@@ -41,6 +41,7 @@ import pyarrow as pa
 
 from ledger.commits import PHASE_KEYS, Commit, PipelineState
 from ledger.errors import ConfigMismatch, UnsupportedArgument
+from ledger.fetch import batch_getter
 from ledger.mapstyle import MapPipeline
 from ledger.order import BatchPlan, EpochOrder, derive_key
 from ledger.pipeline import PHASE_BATCHING, LoaderSettings, refuse_phase
@@ -212,6 +213,10 @@ class Mixture:
         self.counts = np.stack([_counts(w, self.names) for w in self.schedule.weights])
         zero = np.zeros(len(self.names), np.int64)
         self.phases: list[Phase] = [Phase(0, zero, self.counts, self.schedule.starts)]
+        if not self.streams and any(batch_getter(ds) is not None for ds in self.sources):
+            # Then a batch is fetched as one (ledger.fetch: seeded once per batch, also
+            # with rng="sample"), one __getitems__ call per source that has one.
+            self.__getitems__ = self._getitems
 
     def __len__(self) -> int:
         """Positions per mixture epoch."""
@@ -229,6 +234,31 @@ class Mixture:
         if not 0 <= s < len(self.sources) or flat < 0:
             raise IndexError(f"flat id {flat} is outside [0, {int(self.offsets[-1])})")
         return self.sources[s][int(flat - self.offsets[s])]
+
+    def _getitems(self, flats: list[int]) -> list[Any]:
+        """The samples of flat ids, in order: each source's ids of the batch fetched by one
+        ``__getitems__`` call where the source has one (HF ``datasets``), else one by one.
+        The mixture's ``__getitems__`` when a source has one.
+
+        Raises:
+            IndexError: for a flat id outside the sources.
+            Exception: whatever a source raised.
+        """
+        flat = np.asarray(flats, np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.offsets[-1]):
+            bad = int(flat[(flat < 0) | (flat >= self.offsets[-1])][0])
+            raise IndexError(f"flat id {bad} is outside [0, {int(self.offsets[-1])})")
+        codes, ids = self.split(flat)
+        out: list[Any] = [None] * flat.size
+        for s in np.unique(codes).tolist():
+            rows = np.flatnonzero(codes == s).tolist()
+            source = self.sources[s]
+            wanted = ids[rows].tolist()
+            getitems = batch_getter(source)
+            got = getitems(wanted) if getitems is not None else [source[i] for i in wanted]
+            for row, item in zip(rows, got, strict=True):
+                out[row] = item
+        return out
 
     def targets(self, piece: int = 0) -> dict[str, float]:
         """Target share of each source in a piece of the schedule: ``n_s / BLOCK``."""

@@ -279,3 +279,47 @@ def test_a_new_phase_continues_every_source_and_resumes_exactly(root) -> None:
     numbers = [read_attempt(Store(root), a)["phase"] for a in attempts]
     assert numbers[0] is None and {p["number"] for p in numbers[1:]} == {1}
     assert numbers[1]["start"] == 600  # where the ranks' positions reached
+
+
+class _Plain:
+    """A source without random draws: ``{"id": base + i}``."""
+
+    def __init__(self, n: int, base: int) -> None:
+        self.n, self.base = n, base
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"id": torch.tensor(self.base + i)}
+
+
+class _Batched(_Plain):
+    """The same with a batched ``__getitems__`` (as HF ``datasets``) that records its calls."""
+
+    def __init__(self, n: int, base: int) -> None:
+        super().__init__(n, base)
+        self.calls: list[list[int]] = []
+
+    def __getitems__(self, ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        self.calls.append(list(ids))
+        return [self[i] for i in ids]
+
+
+def test_a_source_with_getitems_is_fetched_a_batch_at_a_time(root) -> None:
+    def make(batched: bool, log: str) -> tuple[ledger.DataLoader, _Plain]:
+        web = _Batched(29, 1000) if batched else _Plain(29, 1000)
+        mix = Mixture({"code": _Plain(13, 0), "web": web}, weights={"code": 0.4, "web": 0.6})
+        loader = ledger.DataLoader(mix, batch_size=5, shuffle=True, seed=8, log=log, rng="off")
+        return loader, web
+
+    batched, web = make(True, root)
+    got = [b["id"] for b in take(batched, 12)]
+    plain, _ = make(False, root + "-plain")
+    want = [b["id"] for b in take(plain, 12)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # One call per batch that holds "web" samples, with exactly those, in batch order.
+    assert isinstance(web, _Batched)
+    per_batch = [[int(i) - 1000 for i in ids.tolist() if i >= 1000] for ids in got]
+    assert web.calls == [ids for ids in per_batch if ids]
+    assert len(web.calls) >= 10
