@@ -147,10 +147,12 @@ class DataLoader:
             ``torch.utils.data.DataLoader``. ``drop_last=False`` serves a short final
             batch (never padded with duplicates); ``drop_last=True`` logs the dropped
             positions as ``skip`` events.
-        rng: how torch, numpy and ``random`` are seeded for the dataset (:mod:`ledger.fetch`):
-            ``"batch"`` (default) once per batch from ``(seed, epoch, position of the
-            batch's first sample)``, so augmentation does not depend on the number of
-            workers nor on which one loads a batch (~13 µs per batch); ``"sample"`` before
+        rng: how torch, numpy and ``random`` are seeded for the dataset and the collate
+            function (:mod:`ledger.fetch`): ``"batch"`` (default) once per batch from
+            ``(seed, epoch, position of the batch's first sample)``, so augmentation does
+            not depend on the number of workers nor on which one loads a batch (~7 µs per
+            batch; numpy and ``random`` are seeded lazily, once the process saw a batch
+            draw from them, :func:`ledger.fetch._batch_seeded`); ``"sample"`` before
             each ``dataset[i]`` from ``(seed, epoch, sample id)``, so it does not depend on
             the batch either, and survives a change of world size (~13 µs per sample);
             ``"off"``: not seeded. A :class:`~ledger.stream.Stream`'s transform draws from

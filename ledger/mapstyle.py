@@ -8,9 +8,10 @@ How a batch flows:
    batches at a time.
 2. ``_Fetch.__getitems__`` (in a worker, or the main process) fetches the batch with the
    run's RNG mode (:mod:`ledger.fetch`: seeded once per batch by default), through the
-   dataset's ``__getitems__`` when it has one.
-3. ``_TagCollate`` collates with the user's ``collate_fn`` and tags the batch with its
-   request and the worker id: the compact per-batch delta the main process needs.
+   dataset's ``__getitems__`` when it has one, collates it with the user's
+   ``collate_fn`` under the same seeds, and tags it with its request, the worker id and
+   its content digest: the compact per-batch delta the main process needs.
+3. torch's ``collate_fn`` (``_collated``) passes the tagged batch through.
 4. :meth:`MapPipeline.record` (main process, when the loader hands the batch to the
    training loop) checks the batch is the next request, returns its events and
    advances the state. Prefetched batches are not recorded; after a resume they are
@@ -32,7 +33,7 @@ import torch.utils.data as tud
 from ledger.commits import Commit, PipelineState
 from ledger.digest import digest_bytes
 from ledger.errors import LedgerError, SampleError
-from ledger.fetch import Failure, RngMode, fetch_samples
+from ledger.fetch import Failure, RngMode, load_batch
 from ledger.order import BatchPlan, EpochOrder
 from ledger.pipeline import PHASE_BATCHING, LoaderSettings, phase_record
 from ledger.replay import advance, replay, resume_elastic
@@ -57,14 +58,27 @@ class _Request:
 
 
 class _Fetch(tud.Dataset[Any]):
-    """Wraps the user's dataset: fetches a batch request with the run's RNG mode, leaving
-    out (``on_error="skip"``) the samples whose loading raises."""
+    """Wraps the user's dataset: loads a batch request with the run's RNG mode (fetch,
+    then the user's collate function, under the same seeds), leaving out
+    (``on_error="skip"``) the samples whose loading raises, and tags the batch with its
+    request, the worker and its content digest (computed in the worker, off the
+    training loop). torch's ``collate_fn`` is then :func:`_collated`."""
 
-    def __init__(self, dataset: MapDataset, seed: int, rng: RngMode, skip_errors: bool) -> None:
+    def __init__(
+        self,
+        dataset: MapDataset,
+        seed: int,
+        rng: RngMode,
+        skip_errors: bool,
+        collate_fn: Callable[[list[Any]], Any],
+        digest: bool,
+    ) -> None:
         self.dataset = dataset
         self.seed = seed
         self.rng = rng
         self.skip_errors = skip_errors
+        self.collate_fn = collate_fn
+        self.digest = digest
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -72,17 +86,19 @@ class _Fetch(tud.Dataset[Any]):
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
 
-    def __getitems__(self, request: tuple[int, int, int, int, np.ndarray]) -> tuple[tuple, list]:
+    def __getitems__(self, request: tuple[int, int, int, int, np.ndarray]) -> tuple[tuple, Any]:
         epoch, epoch_batch, batch, position, ids = request
-        samples, failures = fetch_samples(
+        info = tud.get_worker_info()
+        samples, failures, data = load_batch(
             self.dataset,
             ids,
             seed=self.seed,
             epoch=epoch,
             position=position,
             rng=self.rng,
-            main_process=tud.get_worker_info() is None,
+            main_process=info is None,
             skip_errors=self.skip_errors,
+            collate=self.collate_fn,
         )
         if failures and not samples:
             first = failures[0]
@@ -91,7 +107,14 @@ class _Fetch(tud.Dataset[Any]):
                 f"failed to load; the first raised {first.type}: {first.message}. Fix the "
                 "dataset, or resume and skip the batch with loader.skip(1, reason=...)"
             )
-        return (epoch, epoch_batch, batch, tuple(failures)), samples
+        digest = digest_bytes(data) if self.digest else None
+        worker = info.id if info is not None else -1
+        return (epoch, epoch_batch, batch, tuple(failures), worker, digest), data
+
+
+def _collated(fetched: tuple[tuple, Any]) -> tuple[tuple, Any]:
+    """torch's ``collate_fn``: :meth:`_Fetch.__getitems__` already collated the batch."""
+    return fetched
 
 
 def _without_failures(
@@ -113,22 +136,6 @@ def _without_failures(
             positions=positions[bad], values=[f.value() for f in failures],
         ),
     ]  # fmt: skip
-
-
-class _TagCollate:
-    """Collates with the user's function and tags the batch with its request, the worker
-    and the batch's content digest (computed in the worker, off the training loop)."""
-
-    def __init__(self, collate_fn: Callable[[list[Any]], Any], digest: bool) -> None:
-        self.collate_fn = collate_fn
-        self.digest = digest
-
-    def __call__(self, fetched: tuple[tuple[Any, ...], list[Any]]) -> tuple[tuple, Any]:
-        meta, samples = fetched
-        info = tud.get_worker_info()
-        batch = self.collate_fn(samples)
-        digest = digest_bytes(batch) if self.digest else None
-        return (*meta, info.id if info is not None else -1, digest), batch
 
 
 class _Requests:
@@ -218,10 +225,17 @@ class MapPipeline:
         self.inflight: deque[_Request] = deque()
         self._orders: dict[int, EpochOrder] = {}
         self.torch_loader = tud.DataLoader(
-            _Fetch(dataset, settings.seed, settings.rng, settings.on_error == "skip"),
+            _Fetch(
+                dataset,
+                settings.seed,
+                settings.rng,
+                settings.on_error == "skip",
+                settings.collate_fn,
+                settings.digest,
+            ),
             batch_sampler=_Requests(self),  # type: ignore[arg-type]  # yields requests
             num_workers=settings.num_workers,
-            collate_fn=_TagCollate(settings.collate_fn, settings.digest),  # type: ignore[arg-type]
+            collate_fn=_collated,  # type: ignore[arg-type]  # passes the tagged batch on
             persistent_workers=settings.persistent_workers,
             **settings.torch_kwargs,
         )

@@ -28,6 +28,7 @@ import ctypes
 import functools
 import platform
 import random
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,30 +250,105 @@ def seed_globals(seed: int) -> None:
     random.seed(seed)
 
 
+def _memory(address: int, size: int) -> memoryview:
+    """A writable byte view of ``size`` bytes at ``address`` (the owner must outlive it).
+
+    Copying through a view (``bytes(view)``, ``view[:] = saved``) costs about a tenth of
+    a ``ctypes.string_at``/``memmove`` call, which matters once per batch.
+    """
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+
+
 class _NumpyState:
     """Save and restore numpy's global MT19937 state through numpy's public ctypes
     interface (``BitGenerator.ctypes.state_address``): one ``memmove`` of 2.5 KB instead
     of ``np.random.get_state``/``set_state``, which copy the key one element at a time
     (~170 µs the pair, measured on numpy 2.4).
 
-    The one thing not restored is the normal variate that legacy ``np.random.normal``
-    caches between calls: it is dropped (the next normal draw starts a fresh pair), so
-    the training loop's numpy stream stays a deterministic function of its own seed.
+    Legacy ``np.random.normal`` caches the second variate of each pair in the
+    ``RandomState`` object (``has_gauss``, ``gauss``), outside the bit generator. Where
+    :func:`_gauss_address` finds those two fields (numpy's ``aug_bitgen_t``; checked
+    against ``get_state()``), they are saved and restored too, so the state round-trips
+    exactly; elsewhere a restore drops the cached variate (the next normal draw starts a
+    fresh pair) and the training loop's numpy stream stays a deterministic function of
+    its own seed.
     """
 
     def __init__(self) -> None:
-        bitgen = np.random.mtrand._rand._bit_generator
+        generator = np.random.mtrand._rand
+        bitgen = generator._bit_generator
         self._owner = bitgen  # the address lives as long as this object
-        self._address = bitgen.ctypes.state_address
+        self._generator = generator
         # mt19937_state: uint32 key[624] then int pos (numpy/random/src/mt19937).
-        self._size = 624 * 4 + ctypes.sizeof(ctypes.c_int)
+        self._key = _memory(bitgen.ctypes.state_address, 624 * 4 + ctypes.sizeof(ctypes.c_int))
+        address = _gauss_address(generator)
+        self._gauss = _memory(address, _GAUSS_SIZE) if address is not None else None
 
-    def save(self) -> bytes:
-        return ctypes.string_at(self._address, self._size)
+    def save(self) -> tuple[bytes, bytes | None]:
+        return bytes(self._key), bytes(self._gauss) if self._gauss is not None else None
 
-    def restore(self, saved: bytes) -> None:
-        np.random.mtrand._rand.seed(0)  # drops a cached normal variate
-        ctypes.memmove(self._address, saved, self._size)
+    def restore(self, saved: tuple[bytes, bytes | None]) -> None:
+        key, gauss = saved
+        if gauss is None or self._gauss is None:
+            self._generator.seed(0)  # drops a cached normal variate
+        else:
+            self._gauss[:] = gauss
+        self._key[:] = key
+
+    def clear_gauss(self) -> None:
+        """Drop the cached normal variate, leaving the generator's key where it is."""
+        if self._gauss is not None:
+            self._gauss[:] = _NO_GAUSS
+        else:
+            key = bytes(self._key)
+            self._generator.seed(0)
+            self._key[:] = key
+
+    def key(self) -> bytes:
+        """The generator's key and position (what a draw other than a cached normal moves)."""
+        return bytes(self._key)
+
+
+_GAUSS_SIZE = 16  # int has_gauss, padding, double gauss (numpy's aug_bitgen_t, 64-bit)
+_NO_GAUSS = bytes(_GAUSS_SIZE)
+
+
+def _gauss_address(generator: Any) -> int | None:
+    """Address of ``has_gauss`` in numpy's legacy ``RandomState`` object, or ``None``.
+
+    Found by caching a known normal variate (``get_state()`` reports it) and looking for
+    its bytes in the object, 8 bytes after an ``int`` 1; then checked by clearing it
+    through the address and reading ``get_state()`` again. The generator's state is put
+    back whatever happens.
+    """
+    if platform.python_implementation() != "CPython":
+        return None
+    saved = generator.get_state()
+    try:
+        generator.seed(0x5EED)
+        generator.standard_normal()
+        state = generator.get_state()
+        if state[3] != 1:
+            return None
+        size = type(generator).__basicsize__
+        raw = ctypes.string_at(id(generator), size)
+        target = struct.pack("=d", state[4])
+        found = [
+            o - 8
+            for o in range(8, size - 7, 8)
+            if raw[o : o + 8] == target and struct.unpack_from("=i", raw, o - 8)[0] == 1
+        ]
+        if len(found) != 1:
+            return None
+        address = id(generator) + found[0]
+        ctypes.memset(address, 0, _GAUSS_SIZE)
+        if generator.get_state()[3] != 0:
+            return None
+        return address
+    except Exception:  # an unknown layout: fall back to dropping the cached variate
+        return None
+    finally:
+        generator.set_state(saved)
 
 
 _numpy_state: _NumpyState | None = None
@@ -294,18 +370,22 @@ class _RandomState:
 
     def __init__(self, generator: random.Random) -> None:
         self._owner = generator
-        self._address = id(generator) + object.__basicsize__
+        self._raw = _memory(id(generator) + object.__basicsize__, self._SIZE)
 
     def save(self) -> tuple[bytes, Any]:
-        return ctypes.string_at(self._address, self._SIZE), getattr(self._owner, "gauss_next", None)
+        return bytes(self._raw), getattr(self._owner, "gauss_next", None)
+
+    def key(self) -> bytes:
+        """The raw ``index`` and ``state`` (what every draw moves)."""
+        return bytes(self._raw)
 
     def restore(self, saved: tuple[bytes, Any]) -> None:
-        ctypes.memmove(self._address, saved[0], self._SIZE)
+        self._raw[:] = saved[0]
         self._owner.gauss_next = saved[1]  # type: ignore[attr-defined]
 
     def matches(self) -> bool:
         """Whether the raw bytes decode to what ``getstate()`` says (the layout holds)."""
-        raw = np.frombuffer(ctypes.string_at(self._address, self._SIZE), np.uint32)
+        raw = np.frombuffer(bytes(self._raw), np.uint32)
         version, words, _ = self._owner.getstate()
         return version == 3 and len(words) == 625 and (*raw[1:].tolist(), int(raw[0])) == words
 
@@ -326,6 +406,16 @@ def random_state() -> _RandomState | None:
     return _random_state
 
 
+def numpy_state() -> _NumpyState:
+    """The raw-bytes saver of numpy's global ``RandomState`` (made again if numpy's
+    global generator was replaced)."""
+    global _numpy_state
+    bitgen = np.random.mtrand._rand._bit_generator
+    if _numpy_state is None or _numpy_state._owner is not bitgen:
+        _numpy_state = _NumpyState()
+    return _numpy_state
+
+
 class rngs_preserved:  # lower case: called like the function it replaced
     """Restore the global torch, numpy and ``random`` RNG states on exit (if ``active``).
 
@@ -339,33 +429,68 @@ class rngs_preserved:  # lower case: called like the function it replaced
 
     def __init__(self, active: bool = True) -> None:
         self._active = active
-        self._saved: tuple[Any, bytes, Any, _RandomState | None] | None = None
+        self._saved: tuple[Any, GlobalMarks] | None = None
 
     def __enter__(self) -> None:
-        global _numpy_state
-        if not self._active:
-            return
-        bitgen = np.random.mtrand._rand._bit_generator
-        if _numpy_state is None or _numpy_state._owner is not bitgen:
-            _numpy_state = _NumpyState()
-        saver = random_state()
-        self._saved = (
-            torch.default_generator.get_state(),
-            _numpy_state.save(),
-            saver.save() if saver is not None else random.getstate(),
-            saver,
-        )
+        if self._active:
+            self._saved = (torch.default_generator.get_state(), _marks())
 
     def __exit__(self, *exc: object) -> None:
         saved = self._saved
-        if saved is None or _numpy_state is None:
-            return
-        torch.default_generator.set_state(saved[0])
-        _numpy_state.restore(saved[1])
-        if saved[3] is not None:
-            saved[3].restore(saved[2])
-        else:
-            random.setstate(saved[2])
+        if saved is not None:
+            torch.default_generator.set_state(saved[0])
+            restore_globals(saved[1])
+
+
+GlobalMarks = tuple[_NumpyState, tuple[bytes, bytes | None], "_RandomState | None", Any]
+"""numpy's and ``random``'s global states at one moment (:func:`mark_globals`)."""
+
+
+def _marks() -> GlobalMarks:
+    np_state = numpy_state()
+    saver = random_state()
+    return (
+        np_state,
+        np_state.save(),
+        saver,
+        saver.save() if saver is not None else random.getstate(),
+    )
+
+
+def mark_globals() -> GlobalMarks:
+    """Mark numpy's global ``RandomState`` and ``random``'s generator before code that may
+    draw from them, and drop their cached normal variates (so that a normal draw moves
+    the generator's key; nothing else does without moving it).
+
+    :func:`drew_from_globals` then says whether the code drew, :func:`restore_globals`
+    puts both generators back as they were at the mark (cached variates included where
+    :class:`_NumpyState` knows numpy's layout). About 2 µs.
+    """
+    marks = _marks()
+    marks[0].clear_gauss()
+    random._inst.gauss_next = None  # type: ignore[attr-defined]
+    return marks
+
+
+def drew_from_globals(marks: GlobalMarks) -> bool:
+    """Whether numpy's global ``RandomState`` or ``random``'s generator moved since
+    :func:`mark_globals` (compared as raw state bytes)."""
+    np_state, (key, _), saver, saved = marks
+    if np_state.key() != key:
+        return True
+    if saver is not None:
+        return bool(saver.key() != saved[0])
+    return bool(random.getstate()[1] != saved[1])
+
+
+def restore_globals(marks: GlobalMarks) -> None:
+    """Put numpy's and ``random``'s global generators back as they were at ``marks``."""
+    np_state, np_saved, saver, saved = marks
+    np_state.restore(np_saved)
+    if saver is not None:
+        saver.restore(saved)
+    else:
+        random.setstate(saved)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -218,3 +219,131 @@ def test_rngs_preserved_restores_random_exactly(monkeypatch, raw):
     assert random.getstate() == before
     assert [random.random(), random.gauss(0, 1)] == expected
     monkeypatch.setattr(order, "_random_checked", None)  # re-check for later tests
+
+
+class Draws:
+    """Each sample draws from one global generator (``which``), or from none, and only
+    for ids in ``drawing`` (a dataset that augments some samples only)."""
+
+    def __init__(self, n: int, which: str, drawing: Sequence[int] | None = None) -> None:
+        self.n, self.which, self.drawing = n, which, drawing or range(n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        import random
+
+        draw = 0.0
+        if i in self.drawing:
+            if self.which == "numpy":
+                draw = float(np.random.rand())
+            elif self.which == "numpy-normal":
+                draw = float(np.random.normal())
+            elif self.which == "random":
+                draw = random.random()
+            elif self.which == "random-gauss":
+                draw = random.gauss(0, 1)
+        return {"id": i, "draw": draw, "torch": float(torch.rand(()))}
+
+
+def _random_collate(samples: list[dict[str, object]]) -> dict[str, torch.Tensor]:
+    """A collate function that draws from ``random`` (as whole-word masking does)."""
+    import random
+
+    out = tud.default_collate(samples)
+    out["mask"] = torch.tensor([random.random() for _ in samples])
+    return out
+
+
+def _seeded_reference(dataset, seed, batches, batch_size, collate):
+    """Batch k of epoch 0 as the seeded definition makes it: torch, numpy and random
+    seeded with the batch seed, then the dataset and the collate function."""
+    from ledger.order import EpochOrder, rngs_preserved, seed_globals
+
+    order = EpochOrder(len(dataset), seed, 0)
+    out = []
+    with rngs_preserved(True):
+        for k in range(batches):
+            seed_globals(batch_seed(seed, 0, k * batch_size))
+            ids = order.range(k * batch_size, (k + 1) * batch_size).tolist()
+            out.append(collate([dataset[i] for i in ids]))
+    return out
+
+
+@pytest.mark.parametrize(
+    "which,drawing,collate",
+    [
+        ("none", None, tud.default_collate),
+        ("numpy", None, tud.default_collate),
+        ("numpy-normal", None, tud.default_collate),
+        ("random-gauss", None, tud.default_collate),
+        ("numpy", range(20, 24), tud.default_collate),  # only some samples draw
+        ("numpy-normal", "first", tud.default_collate),  # one normal, the cached one's place
+        ("random-gauss", "first", tud.default_collate),
+        ("none", None, _random_collate),
+    ],
+)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_lazy_seeding_gives_the_seeded_batches(
+    tmp_path, monkeypatch, which, drawing, collate, num_workers
+):
+    """numpy and random are seeded only once a batch drew from them; the batches are
+    nevertheless those of seeding all three before every batch, whatever draws, even
+    with the training loop's cached normal variates pending (numpy's and random's)."""
+    import random
+
+    from ledger import fetch
+    from ledger.order import EpochOrder
+
+    monkeypatch.setattr(fetch, "_globals_drawn", False)
+    if drawing == "first":  # only the epoch's first sample draws
+        drawing = [int(EpochOrder(32, 5, 0).range(0, 1)[0])]
+    dataset = Draws(32, which, drawing)
+    expected = _seeded_reference(dataset, 5, 8, 4, collate)
+    np.random.seed(1)
+    np.random.normal()  # the training loop leaves a cached variate behind
+    random.seed(1)
+    random.gauss(0, 1)
+    torch.manual_seed(1)
+    loop_next = (np.random.normal(), random.gauss(0, 1), float(torch.rand(())))
+    np.random.seed(1)
+    np.random.normal()
+    random.seed(1)
+    random.gauss(0, 1)
+    torch.manual_seed(1)
+    loader = ledger.DataLoader(
+        dataset, batch_size=4, shuffle=True, seed=5, log=str(tmp_path / "log"),
+        num_workers=num_workers, collate_fn=collate,
+    )  # fmt: skip
+    got = list(loader)
+    assert len(got) == len(expected) == 8
+    for a, b in zip(got, expected, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+    if which != "none":
+        assert len({float(x) for b in got for x in b["draw"]}) > 1  # the draws are real
+    # The training loop's generators, cached variates included, are untouched.
+    assert (np.random.normal(), random.gauss(0, 1), float(torch.rand(()))) == loop_next
+    drew = which != "none" or collate is _random_collate
+    if num_workers == 0:
+        assert fetch._globals_drawn == drew
+
+
+def test_numpy_state_round_trips_its_cached_normal():
+    """Where numpy's layout is known (it is on the pinned numpy), the saved state
+    includes the cached normal variate: a restore gives back the very next normal."""
+    from ledger import order
+
+    state = order.numpy_state()
+    assert state._gauss is not None, "numpy's aug_bitgen_t layout was not found"
+    np.random.seed(3)
+    np.random.normal()
+    saved = state.save()
+    expected = [np.random.normal(), np.random.rand()]
+    np.random.seed(99)
+    np.random.normal()
+    state.restore(saved)
+    assert [np.random.normal(), np.random.rand()] == expected
+    assert np.random.get_state()[3] == 0  # the cached one was consumed again

@@ -419,7 +419,7 @@ def materialize(
     """Re-create a logged batch through the dataset, with the run's seeds.
 
     Map-style datasets and mixtures: the logged ids fetched as the loader fetched them
-    (:func:`ledger.fetch.fetch_batch` with the run's RNG mode: seeded once per batch from
+    (:func:`ledger.fetch.load_batch` with the run's RNG mode: seeded once per batch from
     ``(seed, epoch, first position)``, or per sample from ``(seed, epoch, i)``), then
     ``collate_fn``. Streams (:class:`ledger.stream.Stream`): each sample re-read
     from its shard and transformed with its seed; packed streams re-pack the logged
@@ -445,7 +445,7 @@ def materialize(
     import torch.utils.data as tud
 
     from ledger.digest import batch_digest
-    from ledger.fetch import fetch_samples, rng_of
+    from ledger.fetch import load_batch, rng_of
     from ledger.mixture import Mixture
     from ledger.stream.sample import rebuild_batch
     from ledger.stream.spec import Stream
@@ -484,7 +484,7 @@ def materialize(
         ids = np.asarray(asked["sample_id"].to_numpy(), np.int64)
         if isinstance(dataset, Mixture):  # the log holds ids in their sources
             ids = dataset.join(asked["source"].cast(pa.string()).to_pylist(), ids)
-        samples, _ = fetch_samples(
+        _, _, data = load_batch(
             dataset,
             ids,
             seed=seed,
@@ -493,7 +493,7 @@ def materialize(
             rng=rng,
             main_process=True,
             skip_errors=record.errors is not None,
+            collate=collate,
         )
-        data = collate(samples)
     digest = batch_digest(data)
     return Materialized(record, data, digest, digest == record.digest)
