@@ -78,7 +78,10 @@ def _update(h: Any, x: Any) -> None:
                 a = t.resolve_conj().resolve_neg().numpy()
             except TypeError:  # a dtype numpy lacks (bfloat16, float8...)
                 a = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-        h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+        try:  # a C-contiguous array is hashed through its buffer, without a copy
+            h.update(a)
+        except (BufferError, ValueError, TypeError):
+            h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
     elif isinstance(x, (np.ndarray, np.generic)):
         a = np.ascontiguousarray(x)
         if a.dtype.hasobject:
