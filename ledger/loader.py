@@ -276,6 +276,7 @@ class DataLoader:
         # Ranges of batches [start, stop) to skip when reached, with reasons, by start.
         self._planned: list[tuple[int, int, str]] = []
         self._resume_events: list[EventChunk] = []
+        self._token_commits: dict[str, Commit] = {}
         self._generation = 0
         self._iter_epoch: int | None = None
         # A private generator: torch draws each iterator's base seed from it, so the
@@ -698,6 +699,7 @@ class DataLoader:
         if not isinstance(skip_batches, int) or isinstance(skip_batches, bool) or skip_batches < 0:
             raise ValueError(f"skip_batches must be an int >= 0, got {skip_batches!r}")
         token = _check_token(state_dict)
+        self._token_commits = {}  # the token's commit, read once (markers are immutable)
         moved = _normal_root(token["root"]) != self._ledger.root
         self._check_run(token, moved)
         store = self._ledger.store
@@ -824,6 +826,9 @@ class DataLoader:
             CommitNotFound: if the token's own root lacks the commit.
             WrongRoot: if a moved log lacks it or holds another commit under its id.
         """
+        cached = self._token_commits.get(token["commit"])
+        if cached is not None:
+            return cached
         try:
             head = self._ledger.read_commit(token["commit"])
         except CommitNotFound as e:
@@ -841,6 +846,7 @@ class DataLoader:
                 f"{head.attempt}, the token says step {token['step']} of attempt "
                 f"{token['attempt']}: the token is not of this log"
             )
+        self._token_commits[token["commit"]] = head
         return head
 
     def _check_last_batch(self, head: Commit, state: PipelineState) -> None:

@@ -54,6 +54,19 @@ def _sample_ids(rows: pa.Table) -> np.ndarray:
     return rows["sample_id"].to_numpy()
 
 
+def _strings(column: pa.ChunkedArray) -> np.ndarray:
+    """A (dictionary-encoded) string column as a numpy array of ``str`` objects."""
+    if pa.types.is_dictionary(column.type):
+        parts = [
+            np.asarray(chunk.dictionary.to_pylist(), dtype=object)[
+                chunk.indices.to_numpy(zero_copy_only=False)
+            ]
+            for chunk in column.chunks
+        ]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=object)
+    return np.asarray(column.to_pylist(), dtype=object)
+
+
 def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
     """The positions the last batch of a segment took, reading only its tail: its
     ``sample`` events and its ``error`` events (samples left out, ``on_error="skip"``),
@@ -67,8 +80,9 @@ def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
     """
     pf = segments.open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256)
     columns = ["epoch", "batch", "position", "sample_id", "kind"]
-    batch_column = pf.schema_arrow.get_field_index("batch")
-    if "source" in pf.schema_arrow.names:  # a mixture's events name their source
+    schema = pf.schema_arrow  # converted from the Parquet schema on every access
+    batch_column = schema.get_field_index("batch")
+    if "source" in schema.names:  # a mixture's events name their source
         columns.append("source")
     groups: list[pa.Table] = []
     last = None
@@ -79,17 +93,26 @@ def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
         stats = meta.column(batch_column).statistics if batch_column >= 0 else None
         if last is not None and stats is not None and stats.has_min_max and stats.max < last:
             break  # the whole group precedes the last batch
-        group = pf.read_row_group(i, columns=columns)
+        # One thread: a few hundred rows, and a thread pool's wake-ups cost more.
+        group = pf.read_row_group(i, columns=columns, use_threads=False)
         groups.insert(0, group)
         last = group["batch"][-1].as_py() if last is None else last
         if group["batch"][0].as_py() < last:
             break
     if last is None:
         raise LogCorrupted(f"segment {ref.path} holds no events")
-    table = pa.concat_tables(groups)
-    table = table.filter(pc.equal(table["batch"], last))
-    took = pc.is_in(table["kind"].cast(pa.string()), pa.array([SAMPLE, ERROR, ROLLBACK]))
-    table = table.filter(took).sort_by("position")
+    # numpy rather than Arrow compute kernels: a few hundred rows, where each kernel
+    # call's dispatch costs more than the work.
+    table = pa.concat_tables(groups) if len(groups) > 1 else groups[0]
+    batches = table["batch"].to_numpy()
+    first = int(np.searchsorted(batches, last, side="left"))
+    table = table.slice(first)  # batch indexes never decrease within a segment
+    took = np.isin(_strings(table["kind"]), [SAMPLE, ERROR, ROLLBACK])
+    if not took.all():
+        table = table.filter(pa.array(took))
+    positions = table["position"].to_numpy()
+    if positions.size > 1 and not (positions[1:] >= positions[:-1]).all():
+        table = table.take(pa.array(np.argsort(positions, kind="stable")))
     if table.num_rows == 0:
         raise LogCorrupted(f"segment {ref.path} ends with batch {last} but holds no sample of it")
     return table
