@@ -48,7 +48,7 @@ class MapDataset(Protocol):
     def __getitem__(self, index: int) -> Any: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)  # not frozen: one per batch, ~1 µs less
 class _Request:
     epoch: int
     epoch_batch: int
