@@ -115,7 +115,12 @@ class DocsWindows(torch.utils.data.Dataset):
 
 
 def build_mixture(
-    seq_len: int, steps: int, batch_size: int, anneal_from: float, max_samples: int | None
+    seq_len: int,
+    steps: int,
+    batch_size: int,
+    anneal_from: float,
+    max_samples: int | None,
+    max_files: int | None = None,
 ) -> tuple[ledger.Mixture, int | None]:
     """The two corpora mixed, and the sample where the annealing phase starts (``None``:
     the run is too short for a phase at a block boundary).
@@ -125,9 +130,10 @@ def build_mixture(
         steps, batch_size: the run's length (the phase boundary is a share of it).
         anneal_from: share of the run's samples before the annealing weights.
         max_samples: windows per corpus, spread over it (``None``: all).
+        max_files: files per corpus (the first ones, sorted; ``None``: all).
     """
-    code = StdlibWindows(seq_len, max_samples=max_samples)
-    docs = DocsWindows(seq_len, max_samples=max_samples)
+    code = StdlibWindows(seq_len, max_files, max_samples)
+    docs = DocsWindows(seq_len, max_files, max_samples)
     anneal = int(anneal_from * steps * batch_size) // BLOCK * BLOCK
     pieces = {0: WEIGHTS, anneal: ANNEAL} if anneal > 0 else {0: WEIGHTS}
     # A mixture epoch of 100 batches, so the run crosses epochs (the corpora's own
@@ -159,6 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(rounded down to a block of 1,000 samples)",
     )
     ap.add_argument("--max-samples", type=int, default=2000, help="windows per corpus (0: all)")
+    ap.add_argument("--max-files", type=int, default=None, help="use the first N files per corpus")
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     ap.add_argument("--stream-out", type=Path, default=None, help="append per-step JSON lines")
     ap.add_argument(
@@ -167,6 +174,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="STEP",
         help="testing aid: SIGKILL this process after the log commit of STEP",
+    )
+    ap.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="exit after the checkpoint of STEP, as a preempted job does (then --resume)",
     )
     return ap.parse_args(argv)
 
@@ -180,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
 
     mix, anneal = build_mixture(
-        args.seq_len, args.steps, args.batch_size, args.anneal_from, args.max_samples or None
+        args.seq_len,
+        args.steps,
+        args.batch_size,
+        args.anneal_from,
+        args.max_samples or None,
+        args.max_files,
     )
     loader = ledger.DataLoader(
         mix,
@@ -238,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
                     if step == args.die_after_commit:
                         os.kill(os.getpid(), signal.SIGKILL)
                     save_checkpoint(ckpt_dir / f"step-{step:08d}.pt", model, opt, step, token)
+                    if step == args.stop_after:
+                        print(f"stopped after the checkpoint of step {step}", flush=True)
+                        loader.close()
+                        return 0
                 if step >= args.steps:
                     break
     atomic_save(model.state_dict(), args.root / "final.pt")
