@@ -31,6 +31,7 @@ from ledger.commits import (
     lineage,
     list_commits,
     parsing_once,
+    read_attempt,
     read_commit,
     read_run,
 )
@@ -126,6 +127,7 @@ def check(
         return [CheckResult(name, False, f"not checked, the log is damaged: {e}") for name in names]
     con = connect(root, summary.head)
     try:
+        config = _loosest(store, con, config)
         results = []
         for name in names:
             if name == "coverage":
@@ -156,6 +158,28 @@ def check(
         return results
     finally:
         con.close()
+
+
+def _loosest(store: Store, con: duckdb.DuckDBPyConnection, config: dict) -> dict:
+    """``run.json``'s configuration with the largest batch size and ``drop_last`` of any
+    phase of the lineage (``load_state_dict(new_phase=True)``): the limits of the
+    ``skew`` and ``skips`` checks hold for every phase."""
+    configs = [config]
+    attempts = con.execute("SELECT DISTINCT attempt FROM commits WHERE in_lineage").fetchall()
+    for (a,) in attempts:
+        try:
+            phase = read_attempt(store, f"{int(a):04d}.json")["phase"]
+        except FileNotFoundError:
+            continue
+        if phase is not None:
+            configs.append(phase["config"])
+    if len(configs) == 1:
+        return config
+    return {
+        **config,
+        "batch_size": max(int(c.get("batch_size", 1)) for c in configs),
+        "drop_last": any(bool(c.get("drop_last")) for c in configs),
+    }
 
 
 def coverage(s: Summary) -> CheckResult:
