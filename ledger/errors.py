@@ -94,6 +94,12 @@ class SampleError(LedgerError):
     """
 
 
+class SourceMissing(ConfigMismatch):
+    """A logged batch holds a sample of a :class:`ledger.Mixture` source that the mixture
+    given does not have (a later phase removed it): re-creating it needs the mixture of
+    the phase that served it. ``verify_data`` skips such a batch."""
+
+
 class BatchSkipped(LedgerError):
     """The batch asked for was skipped on purpose (:meth:`ledger.DataLoader.skip`): the
     model never saw it, so there is nothing to re-create."""

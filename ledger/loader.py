@@ -30,6 +30,7 @@ from ledger.errors import (
     CommitNotFound,
     ConfigMismatch,
     LedgerError,
+    SourceMissing,
     TokenError,
     WrongRoot,
 )
@@ -173,7 +174,8 @@ class DataLoader:
             content digest with the one recorded when the model received it: one batch
             of reads that catches a dataset whose content changed under the same length
             (:class:`ledger.errors.ConfigMismatch` naming the batch). Needs a run with
-            ``digest=True``; skipped after an elastic resume and before the first commit.
+            ``digest=True``; skipped after an elastic resume, before the first commit,
+            and for a batch of a mixture source that a new phase removed.
         storage_options: fsspec/s3fs options (credentials, endpoint, retries) when ``log``
             is a URI; default: the standard AWS environment and config files.
         on_error: ``"raise"`` (default): an exception raised by the dataset stops the
@@ -866,6 +868,8 @@ class DataLoader:
             )  # fmt: skip
         except BatchSkipped:
             return  # skipped on purpose: no batch the model saw to compare
+        except SourceMissing:
+            return  # a new phase dropped a source of that batch: nothing to re-create it
 
         if made.record.digest is not None and not made.matches:
             raise ConfigMismatch(

@@ -31,7 +31,13 @@ from ledger.commits import (
     parsing_once,
     read_run,
 )
-from ledger.errors import BatchSkipped, CommitNotFound, LedgerError, UnsupportedArgument
+from ledger.errors import (
+    BatchSkipped,
+    CommitNotFound,
+    LedgerError,
+    SourceMissing,
+    UnsupportedArgument,
+)
 from ledger.schema import BATCH, ERROR, EVENT_SCHEMA, ROLLBACK, SAMPLE, SPAN
 from ledger.store import Store
 
@@ -440,6 +446,8 @@ def materialize(
         CommitNotFound: if the lineage holds no such batch.
         BatchSkipped: if the batch was skipped on purpose (the model never saw it).
         LedgerError: if the dataset's length differs from the run's.
+        SourceMissing: if the batch holds a sample of a mixture source the given mixture
+            does not have (a later phase removed it).
         UnsupportedArgument: for a :class:`ledger.Mixture` of streams (not yet).
     """
     import torch.utils.data as tud
@@ -483,7 +491,18 @@ def materialize(
             asked = pa.concat_tables([asked, record.errors.select(columns)]).sort_by("position")
         ids = np.asarray(asked["sample_id"].to_numpy(), np.int64)
         if isinstance(dataset, Mixture):  # the log holds ids in their sources
-            ids = dataset.join(asked["source"].cast(pa.string()).to_pylist(), ids)
+            names = asked["source"].cast(pa.string()).to_pylist()
+            ids = dataset.join(names, ids)
+            if (ids < 0).any():
+                name = names[int(np.flatnonzero(ids < 0)[0])]
+                raise SourceMissing(
+                    "mixture source",
+                    name,
+                    None,
+                    f"Batch {batch} holds samples of source {name!r}, which this mixture "
+                    f"({', '.join(dataset.names)}) does not have: pass the mixture of the "
+                    "phase that served the batch.",
+                )
         _, _, data = load_batch(
             dataset,
             ids,
