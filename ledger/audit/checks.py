@@ -127,7 +127,7 @@ def check(
         return [CheckResult(name, False, f"not checked, the log is damaged: {e}") for name in names]
     con = connect(root, summary.head)
     try:
-        config = _loosest(store, con, config)
+        config = loosest(store, [a.attempt for a in summary.attempts], config)
         results = []
         for name in names:
             if name == "coverage":
@@ -160,13 +160,13 @@ def check(
         con.close()
 
 
-def _loosest(store: Store, con: duckdb.DuckDBPyConnection, config: dict) -> dict:
+def loosest(store: Store, attempts: Sequence[int], config: dict) -> dict:
     """``run.json``'s configuration with the largest batch size and ``drop_last`` of any
-    phase of the lineage (``load_state_dict(new_phase=True)``): the limits of the
-    ``skew`` and ``skips`` checks hold for every phase."""
+    phase the run's ``attempts`` served (``load_state_dict(new_phase=True)``): the limits
+    of the ``skew`` and ``skips`` checks hold for every phase (as their world size is the
+    largest of any attempt)."""
     configs = [config]
-    attempts = con.execute("SELECT DISTINCT attempt FROM commits WHERE in_lineage").fetchall()
-    for (a,) in attempts:
+    for a in attempts:
         try:
             phase = read_attempt(store, f"{int(a):04d}.json")["phase"]
         except FileNotFoundError:

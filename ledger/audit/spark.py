@@ -41,7 +41,14 @@ import pyarrow as pa
 
 from ledger import manifest
 from ledger.audit import views as duck
-from ledger.audit.checks import CheckResult, _abandoned, _skips, coverage, duplicates
+from ledger.audit.checks import (
+    CheckResult,
+    _abandoned,
+    _skips,
+    coverage,
+    duplicates,
+    loosest,
+)
 from ledger.audit.names import CHECKS
 from ledger.audit.summary import (
     CONSUMED,
@@ -607,6 +614,7 @@ def check(
         config = read_run(store)["config"]
         if summary is None:
             summary = summarize(spark, root, head, checksums=checksums)
+        config = loosest(store, [a.attempt for a in summary.attempts], config)
     except LogCorrupted as e:
         return [CheckResult(name, False, f"not checked, the log is damaged: {e}") for name in names]
     results = []
