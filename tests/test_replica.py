@@ -16,11 +16,13 @@ import ledger.stream.shuffle as shuffle_module
 from ledger.commits import WorkerState
 from ledger.errors import LedgerError
 from ledger.order import _mix_scalar
+from ledger.stream.packing import PackState
 from ledger.stream.replica import Replica
 from ledger.stream.shuffle import IdFeed
 from ledger.stream.worker import BatchMeta, Feed
 
 _M64 = (1 << 64) - 1
+_DEFAULT_CHUNK = shuffle_module._CHUNK
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -202,7 +204,52 @@ def test_idfeed_equals_docfeed_from_any_state(case: tuple, chunk: int) -> None:
                 worker.emitted,
             )
     finally:
-        shuffle_module._CHUNK = 4096
+        shuffle_module._CHUNK = _DEFAULT_CHUNK
+
+
+def _placed(ids: np.ndarray) -> np.ndarray:
+    """A stand-in for an epoch plan's positions: any function of the sample id."""
+    return ids * 5 + 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(feeds(), st.sampled_from([1, 3, 17, 4096]), st.sampled_from([0, 1, 4, 9]))
+def test_replica_positions_and_states_follow_the_worker(
+    case: tuple, chunk: int, seq_len: int
+) -> None:
+    """Batch after batch (packed when ``seq_len`` > 0), the replica returns every row's
+    position and the worker's state, whatever the chunk of steps computed at once."""
+    rows, pieces, size, key, skip, batches = case
+    shuffle_module._CHUNK = chunk
+    try:
+        source = _source(rows)
+        worker = DocFeed(source, list(pieces), WorkerState(0), [], None, size, key)  # type: ignore[arg-type]
+        for _ in range(skip):
+            if worker.next() is None:
+                break
+        state = worker.state(0, None, [])
+        feed = IdFeed(source, list(pieces), state, list(worker.ids), size, key, _placed)  # type: ignore[arg-type]
+        replica = Replica(feed, 0, None, [])
+        packer = PackState(None, [])
+
+        def pull() -> tuple[int, int] | None:
+            nxt = worker.next()
+            return None if nxt is None else (nxt[0], 1 + nxt[0] % 7)  # length: 1-7 tokens
+
+        for k in batches:
+            if seq_len:
+                chosen = packer.pack(seq_len, k, pull, lambda tail: None)
+                meta = _meta([c[0] for c in chosen], [c[1:] for c in chosen])
+            else:
+                taken = [nxt[0] for _ in range(k) if (nxt := worker.next()) is not None]
+                meta = _meta(taken, None)
+            placed = replica.fold(meta)
+            assert placed is not None
+            assert placed.tolist() == _placed(meta.sample_ids).tolist()
+            assert replica.state() == worker.state(0, packer.doc, [])
+            assert replica.exhausted() == (worker.exhausted() and packer.exhausted())
+    finally:
+        shuffle_module._CHUNK = _DEFAULT_CHUNK
 
 
 def _meta(ids: list[int], spans: list[tuple[int, int, int]] | None) -> BatchMeta:

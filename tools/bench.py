@@ -36,6 +36,7 @@ Example:
     python tools/bench.py --audit    # the audit of 10^8 events (about 2 minutes)
     python tools/bench.py --quick    # a smaller run (about 1 minute)
     python tools/bench.py --manifest # the manifest's cost on the commit path (seconds)
+    python tools/bench.py --stream   # only the Stream rows (about 3 minutes)
 """
 
 from __future__ import annotations
@@ -680,7 +681,7 @@ def goals_table(
         name = f"Stream vs plain IterableDataset, packing {'on' if packed else 'off'}, workers={nw}"
         row(name, r, ">= 0.90", r >= 0.90)
     for packed, us in sorted(stream_us.items()):
-        name = f"Stream main-process µs per 256 samples, packing {'on' if packed else 'off'}"
+        name = f"Stream main-thread CPU µs per 256 samples, packing {'on' if packed else 'off'}"
         row(name, us, "<= 50", us <= 50)
     extra = digest["record+digest"] - digest["record"]
     row("digest: main-process µs per batch with workers (recording it)", extra, "<= 5", extra <= 5)
@@ -698,7 +699,7 @@ def goals_table(
 # ---------------------------------------------------------------------- main
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None]:
+def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None, bool]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--quick",
@@ -715,6 +716,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tmpdir", help="where the log roots go (default: the system temp dir)")
     p.add_argument(
+        "--stream",
+        action="store_true",
+        help="only the Stream rows: throughput and main-process work (tools/bench_stream.py)",
+    )
+    p.add_argument(
         "--manifest",
         action="store_true",
         help="instead: only the manifest's share of a commit (table 6)",
@@ -725,6 +731,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None]:
         help="instead: audit a log of 10^8 events (tools/bench_audit.py; --root DIR after it)",
     )
     a = p.parse_args(argv)
+    stream_only = a.stream
     cfg = Config(
         n=a.n or (200_000 if a.quick else 1_000_000),
         batch_size=a.batch_size,
@@ -736,7 +743,33 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None]:
         seed=a.seed,
         quick=a.quick,
     )
-    return cfg, a.tmpdir
+    return cfg, a.tmpdir, stream_only
+
+
+def stream_only(cfg: Config, tmpdir: str | None, console: Console) -> None:
+    """The Stream rows alone, with their goals."""
+    roots = Roots(tmpdir)
+    try:
+        paths = bench_stream.make_shards(roots.base, *((8, 5000) if cfg.quick else (16, 10_000)))
+        stream_main, stream_us = bench_stream.main_process_work(paths, roots.base, 8)
+        console.print(stream_main)
+        stream_tp, stream = bench_stream.throughput(
+            paths, list(cfg.workers), cfg.repeats, roots.base, console
+        )
+    finally:
+        roots.cleanup()
+    console.print(stream_tp)
+    t = Table(title="Goals (issue 11), Stream rows")
+    for col in ("goal", "measured", "target", "met"):
+        t.add_column(col, justify="left" if col == "goal" else "right")
+    for (packed, nw), r in sorted(stream.items()):
+        name = f"Stream vs plain IterableDataset, packing {'on' if packed else 'off'}, workers={nw}"
+        t.add_row(name, f"{r:.3f}", ">= 0.90", "yes" if r >= 0.90 else "[bold red]no[/]")
+    for packed, us in sorted(stream_us.items()):
+        name = f"Stream main-thread CPU µs per 256 samples, packing {'on' if packed else 'off'}"
+        t.add_row(name, f"{us:.1f}", "<= 50", "yes" if us <= 50 else "[bold red]no[/]")
+    console.print(t)
+    console.print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -750,10 +783,13 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["--manifest"]:
         Console(width=120).print(manifest_cost(tempfile.gettempdir()))
         return
-    cfg, tmpdir = parse_args(argv)
+    cfg, tmpdir, only_streams = parse_args(argv)
     console = Console()
     if console.width < 120:  # piped output: rich would wrap the tables at 80 columns
         console = Console(width=120)
+    if only_streams:
+        stream_only(cfg, tmpdir, console)
+        return
     console.print(
         f"ledger {ledger.__version__}, torch {torch.__version__}, "
         f"torchdata StatefulDataLoader: {'yes' if StatefulDataLoader else 'not importable'}, "

@@ -93,7 +93,7 @@ class Replica:
                 head = self._doc_placed = locate(np.array(doc[:1], np.int64))
             else:
                 head = self._doc_placed
-            placed = np.concatenate((head, self._begun))[np.cumsum(begins)]
+            placed = np.concatenate((head, self._begun))[np.add.accumulate(begins, dtype=np.int64)]
             self._doc_placed = placed[-1:]
             return placed
         if locate is None:
