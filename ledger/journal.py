@@ -48,7 +48,7 @@ VERSION = 2
 _FRAME = struct.Struct("<4sII")
 _FRAME_MAGIC = b"\xffLJ\xfe"
 _MAX_RECORD = 1 << 30  # bytes; a larger length field is damage, not a record
-_ARRAYS = ("positions", "token_start", "token_end", "length", "sources")
+_ARRAYS = ("positions", "token_start", "token_end", "length", "sources", "source_epochs")
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _LE_INT64 = np.dtype("<i8")
 
@@ -97,6 +97,7 @@ class Journal:
             or chunk.token_start is not None
             or chunk.values
             or chunk.sources is not None
+            or chunk.source_epochs is not None
         ):
             extras = {
                 name: np.ascontiguousarray(arr, dtype="<i8").data

@@ -65,6 +65,7 @@ EVENT_SCHEMA = pa.schema(
         pa.field("value", pa.string()),
         pa.field("digest", pa.binary(DIGEST_BYTES)),
         pa.field("source", pa.dictionary(pa.int16(), pa.string())),
+        pa.field("source_epoch", pa.int32()),
     ],
     metadata={b"ledger.schema_version": str(SCHEMA_VERSION).encode()},
 )
@@ -102,15 +103,24 @@ EVENT_SCHEMA = pa.schema(
   (:class:`ledger.Mixture`) the sample came from; ``sample_id`` is then the sample's
   index in that source. Null outside mixtures. Logs written before this column existed
   lack it (Arrow readers fill nulls).
+- ``source_epoch`` int32: for a mixture of streams, the epoch of the sample's source that
+  served it (its lane's, :mod:`ledger.stream.mixing`), which seeds its transform; ``epoch``
+  stays the mixture epoch. Null elsewhere (a map-style source's epoch is the mixture
+  epoch's function). Runs of equal values, so Parquet stores it in a few bytes per batch.
+  Logs written before this column existed lack it (Arrow readers fill nulls); their
+  stream mixtures' batches cannot be re-created.
 """
 
-DIGEST_COLUMNS = EVENT_SCHEMA.names[:-1]
+SOURCE_COLUMNS = EVENT_SCHEMA.names[:-1]
+"""Columns of segments written before the ``source_epoch`` column."""
+
+DIGEST_COLUMNS = EVENT_SCHEMA.names[:-2]
 """Columns of segments written before the ``source`` column."""
 
-LEGACY_COLUMNS = EVENT_SCHEMA.names[:-2]
+LEGACY_COLUMNS = EVENT_SCHEMA.names[:-3]
 """Columns of segments written before the ``digest`` column (schema version 1)."""
 
-EVENT_COLUMN_SETS = (EVENT_SCHEMA.names, DIGEST_COLUMNS, LEGACY_COLUMNS)
+EVENT_COLUMN_SETS = (EVENT_SCHEMA.names, SOURCE_COLUMNS, DIGEST_COLUMNS, LEGACY_COLUMNS)
 """Every column list a readable segment may have, newest first."""
 
 
@@ -140,6 +150,8 @@ class EventChunk:
         sources: ``int16`` array ``(rows,)``: each row's mixture source, an index into
             ``source_names``; ``None`` outside mixtures.
         source_names: the mixture's source names, when ``sources`` is given.
+        source_epochs: ``int64`` array ``(rows,)``: each row's source epoch (a mixture of
+            streams), or ``None``.
     """
 
     kind: str
@@ -156,6 +168,7 @@ class EventChunk:
     digest: bytes | None = None
     sources: np.ndarray | None = None
     source_names: tuple[str, ...] | None = None
+    source_epochs: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -186,6 +199,7 @@ class EventChunk:
             None,
             self.sources,
             self.source_names,
+            self.source_epochs,
         )
         return bare, batch_event(self.epoch, self.batch, self.worker, last, self.digest)
 
@@ -331,6 +345,7 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
         sources = pa.nulls(total, EVENT_SCHEMA.field("source").type)
     else:
         sources = _sources(chunks, first_row, total)
+    source_epochs = optional("source_epochs").cast(pa.int32())
     kinds = pa.DictionaryArray.from_arrays(
         pa.array(spread(np.repeat(kind, n).astype(np.int8), _KIND_INDEX[BATCH])),
         pa.array(KINDS),
@@ -351,6 +366,7 @@ def chunks_to_table(chunks: list[EventChunk], attempt: int, rank: int) -> pa.Tab
             "value": values,
             "digest": digests,
             "source": sources,
+            "source_epoch": source_epochs,
         },
         schema=EVENT_SCHEMA,
     )

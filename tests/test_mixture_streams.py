@@ -288,3 +288,103 @@ def test_a_rollback_skip_of_a_stream_mixture_is_exact_and_names_sources(sources,
     assert sorted(r[0] for r in rolled) == ["code", "prose"]
     out = CliRunner().invoke(main, ["audit", root, "--check", "mixture", "--check", "coverage"])
     assert out.exit_code == 0, out.output
+
+
+def noisy(record, ctx: SampleContext):
+    """Tokens whose last one is drawn from the sample's seed: (source seed, source epoch,
+    row), so a batch re-created with the wrong source epoch differs."""
+    tokens = np.frombuffer(record["text"].encode(), np.uint8).astype(np.int64) + 1
+    return np.append(tokens, 300 + int(ctx.rng.integers(0, 1000)))
+
+
+def noisy_text(record, ctx: SampleContext):
+    return f"{record['text']}#{int(ctx.rng.integers(0, 10**6))}"
+
+
+def noisy_mixture(sources, packing: bool) -> Mixture:
+    code, prose = sources
+    packer = Packer(seq_len=8) if packing else None
+    transform = noisy if packing else noisy_text
+    return Mixture(
+        {
+            "code": Stream(code, transform=transform, shuffle_buffer=3, packer=packer),
+            "prose": Stream(prose, transform=transform, shuffle_buffer=4, packer=packer),
+        },
+        weights={"code": 0.6, "prose": 0.4},
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("packing", [False, True])
+def test_materialize_re_creates_every_batch_of_a_stream_mixture(
+    sources, root, packing, workers
+) -> None:
+    from ledger.audit.queries import materialize
+    from ledger.digest import batch_digest
+    from ledger.stream.mixer import rebuild_mixed_batch
+
+    collate = None if packing else list
+    run = ledger.DataLoader(
+        noisy_mixture(sources, packing), batch_size=3, shuffle=True, seed=5,
+        num_workers=workers, log=root, collate_fn=collate,
+    )  # fmt: skip
+    received = list(take(run, 30))  # the small source goes through several of its epochs
+    run.state_dict()
+    con = connect(root)
+    epochs = con.execute(
+        "SELECT DISTINCT epoch, source_epoch FROM lineage WHERE kind IN ('sample', 'span')"
+    ).fetchall()
+    assert any(e != s for e, s in epochs) and all(s is not None for _, s in epochs)
+    wrong = 0
+    for b, got in enumerate(received):
+        made = materialize(root, b, noisy_mixture(sources, packing), collate_fn=collate)
+        assert made.matches and made.digest == batch_digest(got), b
+        assert batches_equal(made.data, got), b
+        # The recorded source epoch is what makes it exact: the mixture epoch instead
+        # re-creates other batches.
+        events = made.record.events
+        guess = events.set_column(
+            events.schema.get_field_index("source_epoch"),
+            "source_epoch",
+            pa.array(events["epoch"].to_numpy(), pa.int32()),
+        )
+        other = rebuild_mixed_batch(noisy_mixture(sources, packing), 5, guess, False, collate)
+        wrong += not batches_equal(other, got)
+    assert wrong > 0
+    # verify_data re-creates the last committed batch on resume.
+    resumed = ledger.DataLoader(
+        noisy_mixture(sources, packing), batch_size=3, shuffle=True, seed=5,
+        num_workers=workers, log=root, collate_fn=collate, verify_data=True,
+    )  # fmt: skip
+    resumed.load_state_dict(run.state_dict())
+    assert batches_equal(next(iter(resumed)), next(iter(run)))
+
+
+def test_a_log_without_source_epochs_cannot_re_create_a_stream_mixture_batch(sources) -> None:
+    from ledger.errors import LedgerError
+    from ledger.stream.mixer import rebuild_mixed_batch
+
+    events = pa.table(
+        {"source": ["code"], "sample_id": [3], "source_epoch": pa.nulls(1, pa.int32())}
+    )
+    with pytest.raises(LedgerError, match="does not record the source epoch"):
+        rebuild_mixed_batch(noisy_mixture(sources, False), 5, events, False, list)
+
+
+def test_the_journal_keeps_each_rows_source_epoch(tmp_path) -> None:
+    from ledger.journal import Journal, read_journal
+    from ledger.schema import SAMPLE, EventChunk, chunks_to_table
+
+    chunk = EventChunk(
+        SAMPLE, 1, 7, 0, 0, np.array([3, 4, 3], np.int64),
+        positions=np.array([5, 7, 9], np.int64), sources=np.array([0, 1, 0], np.int16),
+        source_names=("code", "prose"), source_epochs=np.array([4, 1, 5], np.int64),
+    )  # fmt: skip
+    journal = Journal(str(tmp_path / "j.msgpack"), 0, 0)
+    journal.append(chunk)
+    journal.close()
+    _, (back,) = read_journal((tmp_path / "j.msgpack").read_bytes())
+    assert back.source_epochs is not None and back.source_epochs.tolist() == [4, 1, 5]
+    table = chunks_to_table([back], 0, 0)
+    assert table["source_epoch"].to_pylist() == [4, 1, 5]
+    assert table["epoch"].to_pylist() == [1, 1, 1]

@@ -41,6 +41,9 @@ def reference_rows(chunks: list[EventChunk], attempt: int, rank: int) -> list[di
                         "source": None
                         if c.sources is None or c.source_names is None
                         else c.source_names[int(c.sources[i])],
+                        "source_epoch": None
+                        if c.source_epochs is None
+                        else int(c.source_epochs[i]),
                     }
                 )
     return rows
@@ -69,12 +72,16 @@ def chunk_lists(draw: st.DrawFn) -> list[EventChunk]:
         values = None
         if draw(st.booleans()):
             values = draw(st.lists(st.none() | st.text(max_size=4), min_size=n, max_size=n))
-        names = sources = None
+        names = sources = source_epochs = None
         if kind != BATCH and draw(st.booleans()):  # a mixture's chunk names its sources
             names = tuple(draw(st.lists(st.sampled_from("abc"), min_size=1, max_size=3)))
             sources = np.array(
                 draw(st.lists(st.integers(0, len(names) - 1), min_size=n, max_size=n)), np.int16
             )
+            if draw(st.booleans()):  # a mixture of streams': each row's source epoch
+                source_epochs = np.array(
+                    draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n)), np.int64
+                )
         chunks.append(
             EventChunk(
                 kind,
@@ -91,6 +98,7 @@ def chunk_lists(draw: st.DrawFn) -> list[EventChunk]:
                 digest=digest,
                 sources=sources,
                 source_names=names,
+                source_epochs=source_epochs,
             )
         )
     return chunks

@@ -36,7 +36,6 @@ from ledger.errors import (
     CommitNotFound,
     LedgerError,
     SourceMissing,
-    UnsupportedArgument,
 )
 from ledger.schema import BATCH, ERROR, EVENT_SCHEMA, ROLLBACK, SAMPLE, SPAN
 from ledger.store import Store
@@ -429,7 +428,9 @@ def materialize(
     ``(seed, epoch, first position)``, or per sample from ``(seed, epoch, i)``), then
     ``collate_fn``. Streams (:class:`ledger.stream.Stream`): each sample re-read
     from its shard and transformed with its seed; packed streams re-pack the logged
-    token spans into sequences. The global RNG states are restored afterwards.
+    token spans into sequences. Mixtures of streams: likewise, each sample with its
+    source's seed and the source epoch its event records (``source_epoch``). The global
+    RNG states are restored afterwards.
 
     Args:
         root: the log root.
@@ -445,16 +446,17 @@ def materialize(
     Raises:
         CommitNotFound: if the lineage holds no such batch.
         BatchSkipped: if the batch was skipped on purpose (the model never saw it).
-        LedgerError: if the dataset's length differs from the run's.
+        LedgerError: if the dataset's length differs from the run's, or a mixture of
+            streams' log predates the ``source_epoch`` column.
         SourceMissing: if the batch holds a sample of a mixture source the given mixture
             does not have (a later phase removed it).
-        UnsupportedArgument: for a :class:`ledger.Mixture` of streams (not yet).
     """
     import torch.utils.data as tud
 
     from ledger.digest import batch_digest
     from ledger.fetch import load_batch, rng_of
     from ledger.mixture import Mixture
+    from ledger.stream.mixer import rebuild_mixed_batch
     from ledger.stream.sample import rebuild_batch
     from ledger.stream.spec import Stream
 
@@ -469,13 +471,8 @@ def materialize(
             "never saw it, there is nothing to re-create"
         )
     if isinstance(dataset, Mixture) and dataset.streams:
-        # TODO(mixture-streams-materialize): a sample's transform is seeded by its source
-        # epoch, which a lane knows and the log does not record.
-        raise UnsupportedArgument(
-            "re-creating a batch of a Mixture of streams is not supported yet: its "
-            "samples' seeds depend on each source's epoch, which the log does not record"
-        )
-    if isinstance(dataset, Stream):
+        data = rebuild_mixed_batch(dataset, seed, record.events, rng == "sample", collate)
+    elif isinstance(dataset, Stream):
         data = rebuild_batch(dataset, seed, record.epoch, record.events, rng == "sample", collate)
     else:
         if len(dataset) != config["dataset_len"]:

@@ -11,15 +11,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 import torch.utils.data as tud
 
 from ledger.commits import PipelineState, WorkerState
 from ledger.digest import digest_bytes
-from ledger.errors import LedgerError
+from ledger.errors import LedgerError, SourceMissing
 from ledger.order import rngs_preserved
 from ledger.pipeline import LoaderSettings
-from ledger.stream.lanes import LaneFeed, LaneIds, Lanes, Positions
+from ledger.stream.lanes import LaneFeed, LaneIds, Lanes, Positions, source_seed
 from ledger.stream.packing import PackState, Tail, assemble
 from ledger.stream.sample import load_sample
 from ledger.stream.shuffle import Piece
@@ -374,3 +375,87 @@ class MixedReplica:
             f"worker {self.worker} produced {got}, but the mixture's plan says {said}: the "
             "pipeline is not deterministic (changed data, or a transform that changes the order)"
         )
+
+
+def rebuild_mixed_batch(
+    mixture: Mixture,
+    seed: int,
+    events: Any,
+    per_sample_rng: bool,
+    collate_fn: Callable[[list[Any]], Any],
+) -> Any:
+    """Re-create a logged batch of a mixture of streams from its events.
+
+    Each sample is re-read from its source and transformed as its lane did
+    (:func:`ledger.stream.sample.load_sample` with the source's seed and the logged
+    ``source_epoch``); a packed mixture re-packs the logged spans into sequences.
+
+    Args:
+        mixture: the run's mixture (every source a :class:`ledger.stream.Stream`).
+        seed: the run's seed.
+        events: the batch's ``sample``/``span`` events in batch order (an Arrow table with
+            ``source``, ``source_epoch``, ``sample_id`` and, packed, the span columns).
+        per_sample_rng: whether the run seeded the global RNGs per sample.
+        collate_fn: the run's collate function (unpacked mixtures).
+
+    Returns:
+        The batch as the loader yielded it: ``collate_fn(items)``, or for a packed mixture
+        ``{"tokens", "sample_ids"}`` (``int64 (sequences, seq_len)``; ``sample_ids`` are
+        flat ids, ``offsets[source] + row``).
+
+    Raises:
+        SourceMissing: if an event names a source the mixture does not have.
+        LedgerError: if an event lacks its source epoch
+            (a log written before ``source_epoch`` was recorded), or a sample's length
+            differs from its span's.
+    """
+    names = events.column("source").cast(pa.string()).to_pylist()
+    rows = events.column("sample_id").to_pylist()
+    if "source_epoch" not in events.column_names:
+        epochs: list[int | None] = [None] * len(rows)
+    else:
+        epochs = events.column("source_epoch").to_pylist()
+    index = {n: i for i, n in enumerate(mixture.names)}
+    keys: list[tuple[int, int, int]] = []  # (source, source epoch, row) of each event
+    for name, epoch, row in zip(names, epochs, rows, strict=True):
+        if name not in index:
+            raise SourceMissing(
+                "mixture source",
+                name,
+                None,
+                f"The batch holds samples of source {name!r}, which this mixture "
+                f"({', '.join(mixture.names)}) does not have: pass the mixture of the phase "
+                "that served the batch.",
+            )
+        if epoch is None:
+            raise LedgerError(
+                "the log does not record the source epoch of this mixture's samples (written "
+                "before the source_epoch column): its batches cannot be re-created"
+            )
+        keys.append((index[name], int(epoch), int(row)))
+    items: dict[tuple[int, int, int], Any] = {}
+    with rngs_preserved(True):
+        for s in sorted({k[0] for k in keys}):
+            stream = mixture.sources[s]
+            wanted = sorted({k for k in keys if k[0] == s})
+            unique = sorted({row for _, _, row in wanted})
+            records = dict(zip(unique, stream.source.read(unique), strict=True))
+            sseed = source_seed(seed, mixture.names[s])
+            for key in wanted:
+                items[key] = load_sample(
+                    stream, sseed, key[1], key[2], records[key[2]], per_sample_rng
+                )[0]
+    packer = mixture.sources[0].packer
+    if packer is None:
+        return collate_fn([items[k] for k in keys])
+    spans = list(
+        zip(
+            events.column("token_start").to_pylist(),
+            events.column("token_end").to_pylist(),
+            events.column("length").to_pylist(),
+            strict=True,
+        )
+    )
+    flat = [int(mixture.offsets[s]) + row for s, _, row in keys]
+    docs = iter([items[k] for k in keys])
+    return assemble(packer, flat, spans, lambda _sid: next(docs))

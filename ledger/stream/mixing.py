@@ -490,7 +490,7 @@ class MixedStreamPipeline:
             )
         replica = self.replicas[meta.worker]
         positions = replica.fold(meta)
-        _, codes, ids = self.mixture.split_ext(meta.sample_ids)
+        source_epochs, codes, ids = self.mixture.split_ext(meta.sample_ids)
         codes = codes.astype(np.int16)
         spans = meta.spans
         chunk = EventChunk(
@@ -508,6 +508,7 @@ class MixedStreamPipeline:
             digest=meta.digest,
             sources=codes,
             source_names=self.mixture.names,
+            source_epochs=source_epochs,
         )
         g = meta.worker
         self._mixers[g] = replica.mixer()

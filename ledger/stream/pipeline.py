@@ -42,6 +42,7 @@ def _rolled_back(chunk: EventChunk, value: str) -> EventChunk:
         positions=chunk.positions, token_start=chunk.token_start, token_end=chunk.token_end,
         length=chunk.length, values=[value] * int(chunk.sample_ids.shape[0]),
         sources=chunk.sources, source_names=chunk.source_names,  # a mixture of streams'
+        source_epochs=chunk.source_epochs,
     )  # fmt: skip
 
 
