@@ -240,7 +240,7 @@ def test_a_stream_mixture_refuses_what_it_cannot_mix(sources) -> None:
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_a_new_phase_changes_the_batch_size_and_refuses_new_weights(sources, root, packing) -> None:
+def test_a_new_phase_changes_the_batch_size_and_refuses_new_sources(sources, root, packing) -> None:
     from ledger.errors import ConfigMismatch
 
     def make(batch_size: int, weights=None) -> ledger.DataLoader:
@@ -267,8 +267,14 @@ def test_a_new_phase_changes_the_batch_size_and_refuses_new_weights(sources, roo
     wider.load_state_dict(token, new_phase=True)
     got = rows(list(take(wider, 14)))  # an epoch's last batch may be short
     assert len(got) >= len(reference) and got[: len(reference)] == reference
-    with pytest.raises(ConfigMismatch, match="cannot change a Mixture of streams"):
-        make(3, {"code": 0.2, "prose": 0.8}).load_state_dict(token, new_phase=True)
+    code, prose = sources
+    other = Mixture(
+        {"code": Stream(code, shuffle_buffer=3), "web": Stream(prose, shuffle_buffer=4)},
+        weights={"code": 0.6, "web": 0.4},
+    )
+    renamed = ledger.DataLoader(other, batch_size=3, seed=5, log=root, collate_fn=texts)
+    with pytest.raises(ConfigMismatch, match="not its sources"):
+        renamed.load_state_dict(token, new_phase=True)
 
 
 def test_a_rollback_skip_of_a_stream_mixture_is_exact_and_names_sources(sources, root) -> None:
@@ -334,6 +340,7 @@ def test_materialize_re_creates_every_batch_of_a_stream_mixture(
     epochs = con.execute(
         "SELECT DISTINCT epoch, source_epoch FROM lineage WHERE kind IN ('sample', 'span')"
     ).fetchall()
+    con.close()  # DuckDB's threads must not be running when the workers fork
     assert any(e != s for e, s in epochs) and all(s is not None for _, s in epochs)
     wrong = 0
     for b, got in enumerate(received):
@@ -388,3 +395,145 @@ def test_the_journal_keeps_each_rows_source_epoch(tmp_path) -> None:
     table = chunks_to_table([back], 0, 0)
     assert table["source_epoch"].to_pylist() == [4, 1, 5]
     assert table["epoch"].to_pylist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_new_phase_changes_a_stream_mixtures_weights_exactly(
+    sources, root, packing, workers
+) -> None:
+    from ledger.mixture import Phase
+
+    old, new = {"code": 0.6, "prose": 0.4}, {"code": 0.1, "prose": 0.9}
+
+    def make(weights) -> ledger.DataLoader:
+        return ledger.DataLoader(
+            mixture(sources, packing, weights), batch_size=3, shuffle=True, seed=5,
+            num_workers=workers, log=root, collate_fn=None if packing else texts,
+        )  # fmt: skip
+
+    first = make(old)
+    list(take(first, 5))
+    token = first.state_dict()
+    con = connect(root)
+    reached = con.execute(
+        f"SELECT max(epoch * {EPOCH} + position) FROM lineage WHERE kind IN ('sample', 'span')"
+    ).fetchone()[0]
+    con.close()  # DuckDB's threads must not be running when the workers fork
+    # The phase, uninterrupted: 30 batches, committing now and then (tokens to resume).
+    phased = make(new)
+    phased.load_state_dict(token, new_phase=True)
+    reference: list = []
+    tokens = {}
+    for stop in (2, 9, 17, 30):
+        reference += list(take(phased, stop - len(reference)))
+        tokens[stop] = phased.state_dict()
+    # Resumed at each commit of the phase (no new_phase: the phase's own configuration),
+    # the rest is the uninterrupted run's, element by element.
+    for at, tok in tokens.items():
+        if at == 30:
+            continue
+        resumed = make(new)
+        resumed.load_state_dict(tok)
+        rest = list(take(resumed, 30 - at))
+        assert len(rest) == 30 - at
+        assert all(batches_equal(a, b) for a, b in zip(rest, reference[at:], strict=True)), at
+        resumed.state_dict()
+    # The phase's start: past every position served before it; each position's source is
+    # the old weights' below it and the new weights' from it on.
+    from ledger.commits import list_commits, phase_of
+    from ledger.store import Store
+
+    store = Store(root)
+    head = max(list_commits(store), key=lambda c: (c.attempt, c.step))
+    phase = phase_of(store, head)
+    assert phase is not None and phase["number"] == 1
+    start = int(phase["start"])
+    assert start > reached
+    rows = (
+        connect(root)
+        .execute(
+            f"""SELECT epoch * {EPOCH} + position, CAST(source AS VARCHAR) FROM lineage
+        WHERE kind = 'sample' OR (kind = 'span' AND token_start = 0)"""
+        )
+        .fetchall()
+    )
+    positions = np.array([r[0] for r in rows], np.int64)
+    assert len(set(positions.tolist())) == len(rows)  # each position once
+    below, above = positions < start, positions >= start
+    assert above.sum() > 20
+    was = mixture(sources, packing, old)
+    truth = np.empty(positions.size, np.int64)
+    truth[below] = was.sources_at(5, positions[below])
+    now = mixture(sources, packing, new)
+    phase1 = Phase(start, np.array(phase["base"]), now.counts, now.schedule.starts, 1)
+    truth[above] = phase1.locate(5, positions[above])[0]
+    assert [r[1] for r in rows] == [now.names[s] for s in truth.tolist()]
+    code_share = float(np.mean(truth[above] == 0))
+    assert code_share < 0.3  # the new weights (0.1) rule from the start on
+    out = CliRunner().invoke(main, ["audit", root, "--check", "mixture", "--check", "coverage"])
+    assert out.exit_code == 0, out.output
+    assert "in each of 2" in out.output, out.output  # per phase
+
+
+def test_a_stream_mixtures_phases_chain_and_a_batch_size_phase_keeps_the_mixing(
+    sources, root
+) -> None:
+    from ledger.commits import list_commits, phase_of
+    from ledger.mixture import Phase
+    from ledger.store import Store
+
+    weights = [
+        {"code": 0.6, "prose": 0.4},
+        {"code": 0.1, "prose": 0.9},
+        {"code": 0.9, "prose": 0.1},
+    ]
+
+    def make(w, batch_size: int = 3) -> ledger.DataLoader:
+        return ledger.DataLoader(
+            mixture(sources, False, w), batch_size=batch_size, shuffle=True, seed=5,
+            num_workers=2, log=root, collate_fn=texts,
+        )  # fmt: skip
+
+    current = make(weights[0])
+    list(take(current, 5))
+    for w, size in ((weights[1], 3), (weights[2], 3), (weights[2], 4)):  # the last: size
+        token = current.state_dict()
+        current = make(w, size)
+        current.load_state_dict(token, new_phase=True)
+        list(take(current, 6))
+    token = current.state_dict()
+    reference = list(take(current, 12))
+    resumed = make(weights[2], 4)
+    resumed.load_state_dict(token)
+    assert all(batches_equal(a, b) for a, b in zip(take(resumed, 12), reference, strict=True))
+    resumed.state_dict()
+    store = Store(root)
+    head = max(list_commits(store), key=lambda c: (c.attempt, c.step))
+    phase = phase_of(store, head)
+    assert phase is not None and phase["number"] == 3
+    # The batch size's phase keeps phase 2's mixing: the sources of two weight changes.
+    assert phase["mix"]["number"] == 2 and len(phase["earlier"]) == 2
+    starts = [0, phase["earlier"][1]["start"], phase["mix"]["start"]]
+    assert starts[0] < starts[1] < starts[2]
+    mixes = [mixture(sources, False, w) for w in weights]
+    phases = [Phase(0, np.zeros(2, np.int64), mixes[0].counts, mixes[0].schedule.starts)]
+    for i, rec in ((1, phase["earlier"][1]), (2, phase["mix"])):
+        phases.append(
+            Phase(rec["start"], np.array(rec["base"]), mixes[i].counts, mixes[i].schedule.starts, i)
+        )
+    con = connect(root)
+    rows = con.execute(
+        f"SELECT epoch * {EPOCH} + position, CAST(source AS VARCHAR) FROM lineage "
+        "WHERE kind = 'sample'"
+    ).fetchall()
+    con.close()
+    positions = np.array([r[0] for r in rows], np.int64)
+    which = np.searchsorted(np.array(starts), positions, side="right") - 1
+    truth = np.empty(positions.size, np.int64)
+    for i, ph in enumerate(phases):
+        sel = which == i
+        truth[sel] = ph.locate(5, positions[sel])[0]
+    assert [r[1] for r in rows] == [mixes[0].names[s] for s in truth.tolist()]
+    out = CliRunner().invoke(main, ["audit", root, "--check", "mixture", "--check", "coverage"])
+    assert out.exit_code == 0, out.output

@@ -37,6 +37,18 @@ function of the seed and of counters in the worker's state, so nothing random is
    every source epoch once, across the shapes; the order after the change is a function
    of the new shape.
 
+5. **Phases** (``load_state_dict(token, new_phase=True)``) may change the weights or
+   schedule and the batch size, not the sources. A phase that changes the weights starts
+   at one global position ``S = epoch * epoch_size + position``: the largest next
+   position of any logical worker at the commit resumed (each worker's from its own
+   state), which no worker has reached. Below ``S`` a position keeps the earlier phases'
+   source (a lagging worker still serves some), from ``S`` on the new schedule's, its
+   boundaries counted from ``S`` (:class:`ledger.mixture.Phase`, as for map-style
+   mixtures); lanes and packers go on where they stood. The attempt record's phase holds
+   ``mix`` (the phase's ``number``, ``start``, ``base``) and ``earlier`` (every earlier
+   phase's, with its schedule), so later resumes and the audits (which classify positions
+   by phase start) see the same sources.
+
 Costs: a resume reads the head marker and one segment per rank (the lanes' ``buffer``
 events); a change of shape reads each old rank's newest segment that holds buffered
 rows, and again for each earlier change of shape whose carried source epoch a lane is
@@ -71,7 +83,7 @@ import torch.utils.data as tud
 from ledger import segments
 from ledger.commits import Commit, PipelineState, WorkerState, newest_segments, read_commit
 from ledger.errors import ConfigMismatch, LedgerError, LogCorrupted, UnsupportedArgument
-from ledger.pipeline import LoaderSettings, phase_record
+from ledger.pipeline import LoaderSettings, phase_record, refuse_phase
 from ledger.schema import BUFFER, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
 from ledger.stream.lanes import EMPTY, Lanes, Positions, cut, lane_pieces, source_seed
@@ -569,34 +581,113 @@ class MixedStreamPipeline:
         return out
 
     def enter_phase(self, phase: dict[str, Any] | None) -> None:
-        return None
+        """Take each position's source from the phases of an attempt record (its own
+        schedule from its ``start``, the earlier phases' below it); ``None``: the
+        mixture's own schedule from position 0."""
+        from ledger.mixture import Phase, _phase_of
+
+        names = self.mixture.names
+        if phase is None or "mix" not in phase:  # no phase, or a batch size's
+            zero = np.zeros(len(names), np.int64)
+            own = Phase(0, zero, self.mixture.counts, self.mixture.schedule.starts)
+            self.mixture.enter_phase([own])
+            return
+        phases = [_phase_of(ph, ph["schedule"], names) for ph in phase["earlier"]]
+        phases.append(_phase_of(phase["mix"], phase["config"]["mixture"]["schedule"], names))
+        self.mixture.enter_phase(phases)
 
     def new_phase(
         self, store: Store, head: Commit, current: dict[str, Any] | None, logged: dict[str, Any]
     ) -> dict[str, Any]:
-        """A new phase with another batch size (as for a stream): each logical worker
-        goes on with its own mixed stream (positions, lanes, packer) where it stood and
-        cuts it into batches of the new size; the batch size enters no worker's stream,
-        so the state replays as without a phase.
+        """A new phase with other weights (or schedule) and batch size.
+
+        **Where it starts.** Logical workers stand at different positions (each takes
+        every ``G``-th one, and a batch of one worker may be consumed before another's),
+        so the phase starts at one global position ``S`` (``epoch * epoch_size +
+        position``) that every worker respects: the largest next position of any logical
+        worker of any rank at ``head`` (each worker's from its own state). No worker
+        has served ``S`` or beyond, and every position below ``S`` that a lagging worker
+        has yet to serve keeps the earlier phase's source. The source of a position is
+        the earlier phases' below ``S`` and the new schedule's from ``S`` on (its
+        boundaries count from ``S``), as for map-style mixtures; each lane goes on with
+        its source's stream where it stood, and the packers where they stood. A run that
+        is given the same phases from its start serves the same batches, so a later
+        resume is exact, and the audits classify positions by phase the same way.
+
+        A new batch size only cuts each worker's mixed stream into other batches.
 
         Raises:
-            ConfigMismatch: if the mixture (its weights, sources) or anything but the
-                batch size changed.
+            ConfigMismatch: if the sources (names, rows, streams) or anything but the
+                weights, schedule and batch size changed.
         """
+        from ledger.mixture import _phase_of
+
         base = current["config"] if current is not None else logged
         mine = self.config()
-        if base.get("mixture") != mine["mixture"]:
-            # TODO(mixture-streams-phases): new weights need a phase start that every
-            # worker's positions respect (workers stand at different positions, and a
-            # lagging one may still serve an older phase's); refused until then.
+        old_mix = base.get("mixture") or {}
+        new_mix = mine["mixture"]
+        for key in sorted(set(old_mix) | set(new_mix)):
+            if key in ("schedule", "targets") or old_mix.get(key) == new_mix.get(key):
+                continue
+            # TODO(mixture-streams-phases): a new or removed source would need lanes
+            # added to or dropped from every worker's state (its width is fixed by the
+            # sources); refused until then.
             raise ConfigMismatch(
-                "mixture",
-                base.get("mixture"),
-                mine["mixture"],
-                "A new phase cannot change a Mixture of streams yet (map-style mixtures "
-                "can change their weights): resume with the phase's weights.",
+                f"mixture {key}",
+                old_mix.get(key),
+                new_mix.get(key),
+                "A new phase of a Mixture of streams can change its weights, schedule and "
+                "batch size, not its sources (nor their streams or the epoch size).",
             )
-        return phase_record(mine, current, logged, ("batch_size",), 0)
+        mixed = current is not None and "mix" in current  # the current phase mixes anew
+        if old_mix.get("schedule") == new_mix.get("schedule"):
+            record = phase_record(mine, current, logged, ("batch_size",), 0)
+            if mixed:  # the current phase's mixing goes on
+                assert current is not None
+                for key in ("start", "base", "mix", "earlier"):
+                    record[key] = current[key]
+            return record
+        refuse_phase(mine, base, ("batch_size", "mixture"))
+        names = self.mixture.names
+        if mixed:
+            assert current is not None
+            was_record = current["mix"]
+            earlier = list(current["earlier"])
+        else:
+            was_record = {"number": 0, "start": 0, "base": [0] * len(names)}
+            earlier = []
+        was = _phase_of(was_record, old_mix["schedule"], names)
+        start = self._phase_start(head)
+        number = (int(current["number"]) if current is not None else 0) + 1
+        mix = {
+            "number": number,
+            "start": start,
+            "base": was.counts_before(self.seed, start).tolist(),
+        }
+        return {
+            "number": number,
+            "config": mine,
+            "start": start,
+            "base": mix["base"],
+            "mix": mix,
+            "earlier": [*earlier, {**was_record, "schedule": old_mix["schedule"]}],
+        }
+
+    def _phase_start(self, head: Commit) -> int:
+        """The largest next global position of any logical worker at ``head``."""
+        n = self.mixture.epoch_size
+        states = head.states
+        old_k = len(states[0].workers) // self.width
+        out = 0
+        for st in states:
+            for g in range(old_k):
+                mixer = st.workers[g * self.width]
+                pos, _, _ = self._positions(
+                    st.epoch, st.origin, head.world_size, old_k, st.rank * old_k + g
+                )
+                nxt = pos.at(mixer.emitted, 1)
+                out = max(out, st.epoch * n + (int(nxt[0]) if nxt.size else n))
+        return out
 
     def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
         """Rebuild the rank's state and lane buffers at ``head`` (another shape: see the
