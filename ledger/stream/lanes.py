@@ -19,6 +19,7 @@ import numpy as np
 
 from ledger.commits import WorkerState
 from ledger.errors import LedgerError
+from ledger.fetch import failure_of
 from ledger.order import derive_key
 from ledger.stream.plan import EpochPlan, buffer_key
 from ledger.stream.sample import load_sample
@@ -233,12 +234,14 @@ class LaneFeed:
         buffer: list[int],
         seed: int,
         per_sample_rng: bool,
+        skip_errors: bool = False,
     ) -> None:
         self.lanes = lanes
         self.s = s
         self.stream = lanes.streams[s]
         self.seed = lanes.seeds[s]
         self.per_sample_rng = per_sample_rng
+        self.skip_errors = skip_errors
         self.epoch = epoch
         source = self.stream.source
         payloads = [self._load(i, r) for i, r in zip(buffer, source.read(buffer), strict=True)]
@@ -263,7 +266,13 @@ class LaneFeed:
         return feed
 
     def _load(self, sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
-        return load_sample(self.stream, self.seed, self.epoch, sid, record, self.per_sample_rng)
+        """``(item, draws)``; with ``skip_errors``, ``(Failure, None)`` if it raised."""
+        try:
+            return load_sample(self.stream, self.seed, self.epoch, sid, record, self.per_sample_rng)
+        except Exception as e:
+            if not self.skip_errors:
+                raise
+            return failure_of(0, e), None
 
     def _read(self, shard: int, row: int, stop: int) -> Iterator[tuple[Any, str | None]]:
         source = self.stream.source

@@ -17,7 +17,8 @@ import torch.utils.data as tud
 
 from ledger.commits import PipelineState, WorkerState
 from ledger.digest import digest_bytes
-from ledger.errors import LedgerError, SourceMissing
+from ledger.errors import LedgerError, SampleError, SourceMissing
+from ledger.fetch import Failure
 from ledger.order import rngs_preserved
 from ledger.pipeline import LoaderSettings
 from ledger.stream.lanes import LaneFeed, LaneIds, Lanes, Positions, source_seed
@@ -72,8 +73,12 @@ class MixedRun:
         batch_size: int,
         collate_fn: Callable[[list[Any]], Any],
         per_sample_rng: bool,
+        skip_errors: bool = False,
     ) -> None:
         self.mixture = mixture
+        self.skip_errors = skip_errors
+        self._failures: list[tuple[int, int, str]] = []  # (ext id, index pulled, JSON)
+        self._pulled = 0  # positions taken for the batch being made
         self.worker = lanes.worker
         self.epoch = epoch
         self.seed = seed
@@ -84,7 +89,7 @@ class MixedRun:
         self.positions = plan.positions
         self.k = mixer.emitted
         self.lanes = [
-            LaneFeed(lanes, s, e, pieces, st, buf, seed, per_sample_rng)
+            LaneFeed(lanes, s, e, pieces, st, buf, seed, per_sample_rng, skip_errors)
             for s, ((e, pieces), st, buf) in enumerate(
                 zip(plan.lanes, lane_states, plan.buffers, strict=True)
             )
@@ -107,16 +112,23 @@ class MixedRun:
             self._queue += self.mixture.sources_at(self.seed, ps + epoch_base).tolist()
 
     def _next(self) -> tuple[int, Any] | None:
-        """The next mixed sample: ``(extended id, (item, draws))``, or ``None`` at the end."""
-        if not self._queue:
-            self._sources(1)
+        """The next mixed sample that loaded: ``(extended id, (item, draws))``, or ``None``
+        at the end (with ``skip_errors``, the failed ones before it go to
+        :attr:`_failures`: their positions are taken, their samples left out)."""
+        while True:
             if not self._queue:
-                return None
-        s = self._queue.pop(0)
-        self.k += 1
-        lane = self.lanes[s]
-        row, loaded = lane.next()
-        return lane.epoch * self._total + self._offsets[s] + row, loaded  # Mixture.ext_id
+                self._sources(1)
+                if not self._queue:
+                    return None
+            s = self._queue.pop(0)
+            self.k += 1
+            self._pulled += 1
+            lane = self.lanes[s]
+            row, loaded = lane.next()
+            ext = lane.epoch * self._total + self._offsets[s] + row  # Mixture.ext_id
+            if not self.skip_errors or not isinstance(loaded[0], Failure):
+                return ext, loaded
+            self._failures.append((ext, self._pulled - 1, loaded[0].value()))
 
     def _reopen(self, tail: Tail) -> np.ndarray:
         """The tokens of a sample begun before (a tail, or the sample in progress)."""
@@ -139,13 +151,48 @@ class MixedRun:
             )
         return np.asarray(item)
 
+    def _batch(self) -> tuple[BatchMeta, Any] | None:
+        self._failures = []
+        self._pulled = 0
+        meta, data = self._items() if self.packer is None else self._sequences()
+        if meta.sample_ids.size == 0:
+            return None
+        if self.skip_errors:
+            meta.failures, meta.pulled = self._failures or None, self._pulled
+        return meta, data
+
     def batches(self) -> Iterator[tuple[BatchMeta, Any]]:
-        """``(meta, batch)`` until the worker's part of the epoch ends."""
-        while True:
-            meta, data = self._items() if self.packer is None else self._sequences()
-            if meta.sample_ids.size == 0:
-                return
-            yield meta, data
+        """``(meta, batch)`` until the worker's part of the epoch ends.
+
+        Raises:
+            SampleError: (``skip_errors``) if every sample left to the worker in the
+                mixture epoch failed to load, so no batch can carry the failures.
+        """
+        if not self.skip_errors:
+            while (made := self._batch()) is not None:
+                yield made
+            return
+        pending = None
+        while (made := self._batch()) is not None:
+            if pending is not None:
+                yield pending
+            pending = made
+        if self._failures:  # failed samples after the last good one: with the last batch
+            if pending is None:
+                ext, _, value = self._failures[0]
+                raise SampleError(
+                    f"every sample left to worker {self.worker} in mixture epoch "
+                    f"{self.epoch} failed to load (the first, extended id {ext}: {value}): "
+                    "no batch can carry them. Fix the source, or filter these rows out"
+                )
+            meta = pending[0]
+            shift = meta.pulled
+            meta.failures = (meta.failures or []) + [
+                (ext, shift + k, value) for ext, k, value in self._failures
+            ]
+            meta.pulled = shift + self._pulled
+        if pending is not None:
+            yield pending
 
     def _items(self) -> tuple[BatchMeta, Any]:
         ids: list[int] = []
@@ -225,6 +272,7 @@ class MixedDataset(tud.IterableDataset):
         self.batch_size = settings.batch_size
         self.collate_fn = settings.collate_fn
         self.per_sample_rng = settings.rng == "sample"
+        self.skip_errors = settings.on_error == "skip"
         self.digest = settings.digest
         self.start: PipelineState | None = None
         self.plans: list[WorkerPlan] = []
@@ -242,6 +290,7 @@ class MixedDataset(tud.IterableDataset):
             run = MixedRun(
                 self.mixture, lanes, self.plans[g], states[0], list(states[1:]), start.epoch,
                 self.seed, self.batch_size, self.collate_fn, self.per_sample_rng,
+                self.skip_errors,
             )  # fmt: skip
             batches = run.batches()
         while True:
@@ -282,6 +331,8 @@ class MixedReplica:
         doc = (mixer.doc, mixer.doc_offset, mixer.doc_length) if mixer.doc >= 0 else None
         self.packing = PackState(doc, list(mixer.tails), f"worker {g}")
         self.doc_position = -1  # position of the sample in progress
+        # The last batch folded: (extended ids, positions) of its failed samples.
+        self.failed: tuple[np.ndarray, np.ndarray] | None = None
         if doc is not None:
             if self.k > 0:
                 self.doc_position = int(plan.positions.at(self.k - 1, 1)[0])
@@ -329,7 +380,10 @@ class MixedReplica:
             LedgerError: if the batch is not the one the plan predicts.
         """
         ids = meta.sample_ids
+        self.failed = None
         if meta.spans is None:
+            if meta.failures:
+                return self._fold_failures(meta, ids)
             want, ps = self._take(ids.size)
             self._check(want, ids)
             return ps
@@ -342,7 +396,13 @@ class MixedReplica:
             self._check(want, begun)
             pulled.append(ps)
 
-        self.packing.fold(ids, meta.spans, expect)
+        if meta.failures:
+            begun_ids: list[np.ndarray] = []
+            self.packing.fold(ids, meta.spans, begun_ids.append)
+            good = np.concatenate(begun_ids) if begun_ids else np.zeros(0, np.int64)
+            pulled.append(self._fold_failures(meta, good))
+        else:
+            self.packing.fold(ids, meta.spans, expect)
         tails_popped = self._tails_done() - tails_before
         starts = list(self.plan.tail_positions[tails_before : tails_before + tails_popped])
         begun = np.concatenate([np.array(starts, np.int64), *pulled])
@@ -358,6 +418,27 @@ class MixedReplica:
         if ids.size:
             self.doc_position = int(positions[-1])
         return positions
+
+    def _fold_failures(self, meta: BatchMeta, good: np.ndarray) -> np.ndarray:
+        """Take the batch's positions, failed ones included (``on_error="skip"``), check
+        them against the good samples begun and the failed ones, and return the good
+        ones' positions; :attr:`failed` gets ``(extended ids, positions)`` of the others."""
+        failures = meta.failures or []
+        at = [k for _, k, _ in failures]
+        if good.size + len(at) != meta.pulled or not all(0 <= k < meta.pulled for k in at):
+            raise LedgerError(
+                f"worker {self.worker} says it took {meta.pulled} positions for a batch, "
+                f"but the batch begins {good.size} samples and {len(at)} failed"
+            )
+        failed = np.zeros(meta.pulled, np.bool_)
+        failed[at] = True
+        taken = np.empty(meta.pulled, np.int64)
+        taken[failed] = [ext for ext, _, _ in failures]
+        taken[~failed] = good
+        want, ps = self._take(meta.pulled)
+        self._check(want, taken)
+        self.failed = (taken[failed], ps[failed])
+        return ps[~failed]
 
     def _check(self, want: np.ndarray, ids: np.ndarray) -> None:
         if want.size == ids.size and np.array_equal(want, ids):

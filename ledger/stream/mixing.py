@@ -49,6 +49,13 @@ function of the seed and of counters in the worker's state, so nothing random is
    phase's, with its schedule), so later resumes and the audits (which classify positions
    by phase start) see the same sources.
 
+6. **Bad samples** (``on_error="skip"``): a sample whose transform raises takes its
+   position and its lane's next id as any other (the ids never depend on the data), and
+   is left out of its batch, which takes the next position; the worker names it in the
+   batch's :class:`~ledger.stream.worker.BatchMeta` ``failures`` (extended id, index
+   among the positions taken), the replica folds the positions taken, failed ones
+   included, and it is logged as an ``error`` event at its position.
+
 Costs: a resume reads the head marker and one segment per rank (the lanes' ``buffer``
 events); a change of shape reads each old rank's newest segment that holds buffered
 rows, and again for each earlier change of shape whose carried source epoch a lane is
@@ -82,9 +89,9 @@ import torch.utils.data as tud
 
 from ledger import segments
 from ledger.commits import Commit, PipelineState, WorkerState, newest_segments, read_commit
-from ledger.errors import ConfigMismatch, LedgerError, LogCorrupted, UnsupportedArgument
+from ledger.errors import ConfigMismatch, LedgerError, LogCorrupted
 from ledger.pipeline import LoaderSettings, phase_record, refuse_phase
-from ledger.schema import BUFFER, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
+from ledger.schema import BUFFER, ERROR, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
 from ledger.stream.lanes import EMPTY, Lanes, Positions, cut, lane_pieces, source_seed
 from ledger.stream.mixer import MixedDataset, MixedReplica, WorkerPlan
@@ -139,7 +146,6 @@ class MixedStreamPipeline:
     Raises:
         ValueError: for ``drop_last=True`` or ``persistent_workers=True``, or an epoch
             with fewer positions, or a source with fewer rows, than logical workers.
-        UnsupportedArgument: for ``on_error="skip"`` (streams do not support it yet).
     """
 
     def __init__(self, mixture: Mixture, settings: LoaderSettings) -> None:
@@ -147,11 +153,6 @@ class MixedStreamPipeline:
             raise ValueError(
                 "a Mixture of streams serves every position (drop_last=False) and needs "
                 "fresh workers each epoch (persistent_workers=False)"
-            )
-        if settings.on_error != "raise":
-            raise UnsupportedArgument(
-                f"on_error={settings.on_error!r} is not supported for a Mixture of streams "
-                "(nor for a Stream): catch the error in the transform instead"
             )
         self.mixture = mixture
         self.dataset = mixture
@@ -522,6 +523,18 @@ class MixedStreamPipeline:
             source_names=self.mixture.names,
             source_epochs=source_epochs,
         )
+        events = [chunk]
+        if replica.failed is not None:  # on_error="skip": positions taken, samples left out
+            failed, failed_positions = replica.failed
+            failed_epochs, failed_codes, failed_ids = self.mixture.split_ext(failed)
+            events.append(
+                EventChunk(
+                    ERROR, state.epoch, state.batch, meta.worker, 0, failed_ids,
+                    positions=failed_positions, values=[v for _, _, v in meta.failures or []],
+                    sources=failed_codes.astype(np.int16), source_names=self.mixture.names,
+                    source_epochs=failed_epochs,
+                )
+            )  # fmt: skip
         g = meta.worker
         self._mixers[g] = replica.mixer()
         self._lane_states[g] = [lane.state() for lane in replica.lanes]
@@ -530,7 +543,7 @@ class MixedStreamPipeline:
             self.buffers = self.current_buffers()
             lanes = self._lane_states
             self.replicas = []
-            return self.epoch_start(state.epoch + 1, state.batch + 1, state.origin, lanes), [chunk]
+            return self.epoch_start(state.epoch + 1, state.batch + 1, state.origin, lanes), events
         workers = tuple(w for i in range(self.k) for w in (self._mixers[i], *self._lane_states[i]))
         nxt = PipelineState(
             self.rank,
@@ -541,7 +554,7 @@ class MixedStreamPipeline:
             after,
             origin=state.origin,
         )
-        return nxt, [chunk]
+        return nxt, events
 
     def skip(
         self, state: PipelineState, batches: int, reason: str
