@@ -602,7 +602,7 @@ def commit_from_rows(
     extra: dict[str, Any],
 ) -> Commit:
     """A version-2 commit from its header fields, rank table rows and optional marker
-    fields (``manifest``, ``lineage``), as a compaction's catalog holds them
+    fields (``manifest``, ``lineage``, ``skips``), as a compaction's catalog holds them
     (:func:`ledger.compaction.catalogued`): no dict per commit."""
     ranks = RankTable(rows, attempt)
     return Commit(

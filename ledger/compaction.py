@@ -214,6 +214,15 @@ def list_compactions(store: Store) -> list[Compaction]:
     return found
 
 
+SKIP_TYPE = pa.struct(
+    [
+        pa.field("start", pa.int64(), nullable=False),
+        pa.field("stop", pa.int64(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),
+    ]
+)
+"""One planned skip of a catalogued commit: batches ``[start, stop)`` and the reason."""
+
 CATALOG_SCHEMA = pa.schema(
     [
         pa.field("id", pa.string(), nullable=False),
@@ -226,13 +235,16 @@ CATALOG_SCHEMA = pa.schema(
         pa.field("ranks", pa.large_list(pa.int64()), nullable=False),
         pa.field("manifest_sha256", pa.string()),
         pa.field("lineage", pa.list_(pa.int64())),
+        pa.field("skips", pa.list_(SKIP_TYPE)),
     ]
 )
 """Columns of ``compactions/<id>.commits.parquet``, the catalog of a compaction: one row
 per version-2 commit marker present when it ran (all branches), with the marker's
 header, its rank table (``world_size x width`` integers, row-major, the layout of
-:mod:`ledger.ranks`), the SHA-256 of its manifest and its lineage ranges (flattened
-triples), null when the marker names none. Markers never change once written, so a
+:mod:`ledger.ranks`), the SHA-256 of its manifest, its lineage ranges (flattened
+triples), null when the marker names none, and its planned skips
+(:attr:`ledger.commits.Commit.planned_skips`), null when it names none (a catalog
+written before this column reads as naming none). Markers never change once written, so a
 command reads the catalog (one file) instead of one marker and one rank table per commit:
 an audit of a compacted history of 10^4 commits reads 3 files, not 2·10^4."""
 
@@ -267,7 +279,10 @@ def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
     if sha256(blob) != digest:
         raise LogCorrupted(f"{where} differs from the SHA-256 its compaction names")
     try:
-        table = pq.read_table(pa.BufferReader(blob)).cast(CATALOG_SCHEMA)
+        read = pq.read_table(pa.BufferReader(blob))
+        if "skips" not in read.column_names:  # written before planned skips were catalogued
+            read = read.append_column("skips", pa.nulls(read.num_rows, pa.list_(SKIP_TYPE)))
+        table = read.select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA)
         ranks = table["ranks"].combine_chunks()
         values = ranks.values.to_numpy()
         offsets = ranks.offsets.to_numpy()
@@ -279,8 +294,9 @@ def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
         cols = {
             name: table[name].to_pylist()
             for name in CATALOG_SCHEMA.names
-            if name not in ("ranks", "lineage")
+            if name not in ("ranks", "lineage", "skips")
         }
+        cols["skips"] = table["skips"].to_pylist()
     except (pa.ArrowException, ValueError, KeyError) as e:
         raise LogCorrupted(f"{where} is not a catalog of commits: {e}") from e
     sizes = np.diff(offsets)
@@ -319,6 +335,9 @@ def _catalog_commits(
         )
     ):
         extra: dict[str, Any] = {}
+        skips = cols["skips"][k]
+        if skips:
+            extra["skips"] = _skips(where, cid, skips)
         if digest is not None:
             extra["manifest"] = (manifest_path(cid), digest)
         if has_lineage[k]:
@@ -328,6 +347,14 @@ def _catalog_commits(
             extra["lineage"] = tuple(zip(r[0::3], r[1::3], r[2::3], strict=True))
         rows = values[lo:hi].reshape(world, width)
         out[cid] = commit_from_rows(cid, step, attempt, parent, world, created, rows, extra)
+    return out
+
+
+def _skips(where: str, cid: str, skips: list[dict[str, Any]]) -> tuple[tuple[int, int, str], ...]:
+    """A catalogued commit's planned skips, checked as its marker's are."""
+    out = tuple((s["start"], s["stop"], s["reason"]) for s in skips)
+    if not all(0 <= start < stop for start, stop, _ in out):
+        raise LogCorrupted(f"{where}: commit {cid} plans skips {out!r}, not 0 <= start < stop")
     return out
 
 
@@ -351,6 +378,12 @@ def _catalog(commits: list[Commit]) -> bytes:
             "manifest_sha256": [c.manifest[1] if c.manifest else None for c in kept],
             "lineage": [
                 [x for r in c.lineage_ranges for x in r] if c.lineage_ranges else None for c in kept
+            ],
+            "skips": [
+                [{"start": a, "stop": b, "reason": why} for a, b, why in c.planned_skips]
+                if c.planned_skips
+                else None
+                for c in kept
             ],
         },
         schema=CATALOG_SCHEMA,

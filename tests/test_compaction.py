@@ -296,3 +296,85 @@ def test_verify_fails_a_marker_that_differs_from_its_catalog_copy(tmp_path):
     assert "1 commit markers differ from the catalog of a compaction (000000000004-0000)" in (
         result.output
     )
+
+
+def _rewrite_catalog(root: str, change) -> None:
+    """Replace the catalog of the root's one compaction by ``change(table)``, naming the
+    new bytes in its marker (a consistent catalog, as a compaction could have written)."""
+    import hashlib
+    import json
+
+    import pyarrow as pa
+
+    (marker_path,) = glob.glob(os.path.join(root, "compactions", "*.json"))
+    with open(marker_path) as f:
+        marker = json.load(f)
+    path = os.path.join(root, marker["catalog"]["path"])
+    table = change(pq.read_table(path))
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    data = sink.getvalue().to_pybytes()
+    with open(path, "wb") as f:
+        f.write(data)
+    marker["catalog"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    with open(marker_path, "w") as f:
+        json.dump(marker, f)
+
+
+def test_the_catalog_carries_planned_skips_and_verify_compares_them(tmp_path):
+    import pyarrow as pa
+
+    from ledger.commits import list_commits, parse_once
+    from ledger.compaction import catalogued
+
+    root = str(tmp_path / "log")
+    run = loader(root)
+    list(take(run, 2))
+    run.state_dict()
+    run.skip(steps=range(6, 8), reason="loss spike")
+    for done, _ in enumerate(take(run, 6), 3):
+        if done % 2 == 0:
+            run.state_dict()
+    assert compact(root).segments >= 2
+    store = Store(root)
+    with parse_once():
+        markers = {c.id: c for c in list_commits(store, catalog=False)}
+        held = catalogued(store)
+    assert set(held) == set(markers)
+    planned = {cid: c.planned_skips for cid, c in markers.items()}
+    assert ((6, 8, "loss spike"),) in planned.values()  # commits before step 6 carry it
+    assert {cid: c.planned_skips for cid, c in held.items()} == planned
+    for cid, c in held.items():
+        assert c == markers[cid]
+        assert (c.manifest, c.lineage_ranges) == (
+            markers[cid].manifest,
+            markers[cid].lineage_ranges,
+        )
+    verified = CliRunner().invoke(main, ["verify", root, "--format", "csv"])
+    assert verified.exit_code == 0, verified.output
+
+    # A catalog whose skips differ from the markers': verify names the commits.
+    def other_reason(table: pa.Table) -> pa.Table:
+        rows = table.to_pylist()
+        for row in rows:
+            for s in row["skips"] or []:
+                s["reason"] = "something else"
+        return pa.Table.from_pylist(rows, schema=table.schema)
+
+    _rewrite_catalog(root, other_reason)
+    with parse_once():
+        assert {c.planned_skips for c in catalogued(Store(root)).values()} >= {
+            ((6, 8, "something else"),)
+        }
+    verified = CliRunner().invoke(main, ["verify", root, "--format", "csv"])
+    assert verified.exit_code == 3, verified.output
+    changed = sorted(cid for cid, skips in planned.items() if skips)
+    assert f"{len(changed)} commit markers differ from the catalog of a compaction" in (
+        verified.output
+    )
+
+    # A catalog written before the column existed reads as planning no skips.
+    _rewrite_catalog(root, lambda t: t.drop_columns(["skips"]))
+    with parse_once():
+        old = catalogued(Store(root))
+    assert set(old) == set(markers) and all(c.planned_skips == () for c in old.values())

@@ -528,9 +528,10 @@ def _differ_from_catalog(store: Store, commits: list[Commit]) -> list[str]:
         header = (marker.step, marker.attempt, marker.parent, marker.world_size)
         same = header == (copy.step, copy.attempt, copy.parent, copy.world_size)
         same = same and marker.created_at == copy.created_at
-        same = same and (marker.manifest, marker.lineage_ranges) == (
+        same = same and (marker.manifest, marker.lineage_ranges, marker.planned_skips) == (
             copy.manifest,
             copy.lineage_ranges,
+            copy.planned_skips,
         )
         mine, theirs = marker.ranks, copy.ranks
         if not (same and mine and theirs and np.array_equal(mine.rows, theirs.rows)):
