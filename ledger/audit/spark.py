@@ -228,8 +228,9 @@ def register(spark: SparkSession, root: str, head: str | None = None) -> str | N
     spark.sql(
         "SELECT commit_id, step, attempt, rank, epoch, epoch_batch, batch FROM ledger_manifest"
     ).createOrReplaceTempView("states")
-    events = _events(spark, store, root, commits)
-    events.createOrReplaceTempView("events")
+    _events(spark, store, root, commits).createOrReplaceTempView("events")
+    lineage = [c for c in commits if c.id in chain]
+    _rows(spark, store, root, lineage).createOrReplaceTempView("ledger_lineage_rows")
     where = " OR ".join(f"(attempt = {a} AND step BETWEEN {lo} AND {hi})" for a, lo, hi in ranges)
     spark.sql(f"SELECT * FROM events WHERE {where or 'false'}").createOrReplaceTempView("lineage")
     return head
@@ -274,41 +275,92 @@ def _manifest_schema() -> Any:
     )
 
 
-def _events(spark: SparkSession, store: Store, root: str, commits: Sequence[Any]) -> DataFrame:
-    """Exactly the committed events (all branches), with ``commit_id`` and ``step``."""
+def _segment_rows(spark: SparkSession, store: Store, root: str, paths: Sequence[str]) -> DataFrame:
+    """The rows of the segment files ``paths`` (no commit columns), each with the path of
+    its file as Spark names it (``_ledger_file``: a per-file constant, no per-row work)."""
     from pyspark.sql import functions as F
 
-    listed = manifest.files(store, commits)
-    parts: list[DataFrame] = []
-    if listed.segments:
-        odd = [p for p, _, _ in listed.segments if not _SEGMENT.match(p)]
-        if odd:
-            raise LogCorrupted(
-                f"segment {store.full(odd[0])} is not at events/attempt=A/rank=R/NAME.parquet: "
-                "the Spark audit joins segments to commits by that path"
-            )
-        names = spark.sql("SELECT path, commit_id, step FROM segments")
-        raw = spark.read.schema(_event_schema(False)).parquet(
-            *[_spark_uri(root, p) for p, _, _ in listed.segments]
+    odd = [p for p in paths if not _SEGMENT.match(p)]
+    if odd:
+        raise LogCorrupted(
+            f"segment {store.full(odd[0])} is not at events/attempt=A/rank=R/NAME.parquet: "
+            "the Spark audit joins segments to commits by that path"
         )
-        tail = F.regexp_extract(
-            F.col("_metadata.file_path"), r"(events/attempt=[^/]+/rank=[^/]+/[^/]+)$", 1
+    if not paths:
+        return spark.createDataFrame([], _event_schema(False)).withColumn(
+            "_ledger_file", F.lit(None).cast("string")
         )
-        raw = raw.select("*", tail.alias("_ledger_path"))
-        joined = raw.join(
-            F.broadcast(names.withColumnRenamed("path", "_ledger_path")), "_ledger_path"
-        )
-        parts.append(joined.select(*_EVENT_COLUMNS))
-    for path, ids in listed.compacted:
+    raw = spark.read.schema(_event_schema(False)).parquet(*[_spark_uri(root, p) for p in paths])
+    return raw.select("*", F.col("_metadata.file_path").alias("_ledger_file"))
+
+
+def _relative(column: Any) -> Any:
+    """The path under the root of a file Spark names (a URI ending in the segment path)."""
+    from pyspark.sql import functions as F
+
+    return F.regexp_extract(column, r"(events/attempt=[^/]+/rank=[^/]+/[^/]+)$", 1)
+
+
+def _compacted_rows(
+    spark: SparkSession, root: str, compacted: Sequence[tuple[str, frozenset[str] | None]]
+) -> DataFrame | None:
+    """The wanted rows of the compacted files (they carry ``commit_id`` and ``step``)."""
+    from pyspark.sql import functions as F
+
+    parts = []
+    for path, ids in compacted:
         df = spark.read.schema(_event_schema(True)).parquet(_spark_uri(root, path))
         if ids is not None:
             df = df.where(F.col("commit_id").isin(sorted(ids)))
         parts.append(df.select(*_EVENT_COLUMNS))
+    return _union(parts)
+
+
+def _union(parts: Sequence[DataFrame]) -> DataFrame | None:
     if not parts:
-        return spark.createDataFrame([], _event_schema(True))
+        return None
     out = parts[0]
     for p in parts[1:]:
         out = out.unionByName(p)
+    return out
+
+
+def _events(spark: SparkSession, store: Store, root: str, commits: Sequence[Any]) -> DataFrame:
+    """Exactly the committed events (all branches), with ``commit_id`` and ``step``.
+
+    Also registers the hidden views the summary scans: ``ledger_segment_rows`` (the
+    segments' rows with their file) and ``ledger_compacted_rows``."""
+    from pyspark.sql import functions as F
+
+    listed = manifest.files(store, commits)
+    rows = _segment_rows(spark, store, root, [p for p, _, _ in listed.segments])
+    rows.createOrReplaceTempView("ledger_segment_rows")
+    compacted = _compacted_rows(spark, root, listed.compacted)
+    if compacted is None:
+        compacted = spark.createDataFrame([], _event_schema(True))
+    compacted.createOrReplaceTempView("ledger_compacted_rows")
+    parts: list[DataFrame] = []
+    if listed.segments:
+        names = spark.sql("SELECT path AS _ledger_path, commit_id, step FROM segments")
+        tagged = rows.select("*", _relative(F.col("_ledger_file")).alias("_ledger_path"))
+        parts.append(tagged.join(F.broadcast(names), "_ledger_path").select(*_EVENT_COLUMNS))
+    if listed.compacted:
+        parts.append(compacted)
+    out = _union(parts)
+    return out if out is not None else spark.createDataFrame([], _event_schema(True))
+
+
+def _rows(spark: SparkSession, store: Store, root: str, commits: Sequence[Any]) -> DataFrame:
+    """The events of ``commits`` (a lineage) without commit columns: their segment files
+    read directly, so no row is joined to its commit, plus their compacted rows."""
+    listed = manifest.files(store, commits)
+    names = list(EVENT_SCHEMA.names)
+    parts = [_segment_rows(spark, store, root, [p for p, _, _ in listed.segments]).select(*names)]
+    compacted = _compacted_rows(spark, root, listed.compacted)
+    if compacted is not None:
+        parts.append(compacted.select(*names))
+    out = _union(parts)
+    assert out is not None
     return out
 
 
@@ -349,50 +401,74 @@ def summarize(
     if checksums:
         _check_checksums(spark, store, root)
     run = read_run(store)
-    run_id: str = run["run_id"]
-    dataset_len = run.get("config", {}).get("dataset_len")
-    spark.sql(
+    # Pass 1, over every committed row: events and samples per file, grouped by the
+    # file's name (a per-file constant) and joined to the segments only once per file.
+    counts = spark.sql(
         f"""
         SELECT s.commit_id, s.step, s.attempt, s.rank, s.path, s.rows,
                coalesce(e.events, 0) AS events, coalesce(e.samples, 0) AS samples
         FROM segments AS s LEFT JOIN (
-            SELECT commit_id, rank, count(*) AS events,
-                   count_if({CONSUMED}) AS samples
-            FROM events GROUP BY commit_id, rank
+            SELECT commit_id, rank, sum(events) AS events, sum(samples) AS samples FROM (
+                SELECT f.events, f.samples, m.commit_id, m.rank FROM (
+                    SELECT _ledger_file, count(*) AS events, count_if({CONSUMED}) AS samples
+                    FROM ledger_segment_rows GROUP BY _ledger_file
+                ) AS f JOIN segments AS m ON m.path = regexp_extract(
+                    f._ledger_file, '(events/attempt=[^/]+/rank=[^/]+/[^/]+)$', 1)
+                UNION ALL
+                SELECT count(*) AS events, count_if({CONSUMED}) AS samples, commit_id, rank
+                FROM ledger_compacted_rows GROUP BY commit_id, rank
+            ) GROUP BY commit_id, rank
         ) AS e ON e.commit_id = s.commit_id AND e.rank = s.rank
         """
-    ).cache().createOrReplaceTempView("segment_counts")
+    ).cache()
+    try:
+        counts.createOrReplaceTempView("segment_counts")
+        return _summary(spark, store, run, head)
+    finally:
+        counts.unpersist()
+
+
+def _summary(spark: SparkSession, store: Store, run: dict[str, Any], head: str | None) -> Summary:
+    """The summary, once ``segment_counts`` is registered (cached)."""
+    run_id: str = run["run_id"]
+    dataset_len = run.get("config", {}).get("dataset_len")
     bad = spark.sql("SELECT path, events, rows FROM segment_counts WHERE events <> rows LIMIT 1")
     for path, events, rows in bad.collect():
         raise LogCorrupted(f"segment {store.full(path)} has {events} rows, its marker says {rows}")
-    outside = spark.sql(
-        f"""
-        SELECT sample_id, commit_id, rank FROM lineage
-        WHERE (kind = 'skip' OR {CONSUMED}) AND (sample_id < 0 OR sample_id >= {dataset_len or 0})
-        LIMIT 1
-        """
-    ).collect()
-    for sample_id, cid, rank in outside:
-        raise LogCorrupted(
-            f"the segment of rank {rank} at commit {cid} holds sample id {sample_id}, "
-            f"outside the dataset's [0, {dataset_len})"
-        )
-    # Exact distinct counts with one shuffle: rows are first grouped by (epoch, id), so
-    # each id of an epoch crosses the network once (three COUNT(DISTINCT) would expand
-    # every row three times before shuffling it).
+    # Pass 2, over the lineage's rows only (its files read directly, no join): exact
+    # distinct counts with one shuffle, rows first grouped by (epoch, id) so each id of an
+    # epoch crosses the network once (three COUNT(DISTINCT) would expand every row three
+    # times before shuffling it); the ids outside the dataset and each epoch's last
+    # position ride in the same aggregation.
     epochs = spark.sql(
         f"""
         WITH per_id AS (
             SELECT epoch, sample_id, count_if({CONSUMED}) AS used,
-                   count_if(kind = 'skip') AS dropped
-            FROM lineage WHERE kind = 'skip' OR {CONSUMED}
+                   count_if(kind = 'skip') AS dropped,
+                   max(CASE WHEN {CONSUMED} THEN position END) AS last
+            FROM ledger_lineage_rows WHERE kind = 'skip' OR {CONSUMED}
             GROUP BY epoch, sample_id
         )
         SELECT epoch, sum(used), count_if(used > 0), sum(dropped), count_if(dropped > 0),
-               count(*)
+               count(*), max(last),
+               count_if(sample_id < 0 OR sample_id >= {dataset_len or 0})
         FROM per_id GROUP BY epoch ORDER BY epoch
         """
     ).collect()
+    if any(r[7] for r in epochs):
+        outside = spark.sql(
+            f"""
+            SELECT sample_id, commit_id, rank FROM lineage
+            WHERE (kind = 'skip' OR {CONSUMED})
+                AND (sample_id < 0 OR sample_id >= {dataset_len or 0})
+            LIMIT 1
+            """
+        ).collect()
+        for sample_id, cid, rank in outside:
+            raise LogCorrupted(
+                f"the segment of rank {rank} at commit {cid} holds sample id {sample_id}, "
+                f"outside the dataset's [0, {dataset_len})"
+            )
     spark.sql(
         """
         SELECT c.commit_id, c.attempt, c.in_lineage, c.world_size,
@@ -429,10 +505,7 @@ def summarize(
     last = None
     with_samples = [r for r in epochs if r[1]]
     if with_samples:
-        e = int(with_samples[-1][0])
-        (position,) = _one(
-            spark, f"SELECT max(position) FROM lineage WHERE epoch = {e} AND {CONSUMED}"
-        )
+        e, position = int(with_samples[-1][0]), with_samples[-1][6]
         last = Position(e, int(position)) if position is not None else None
     (journal_bad,) = _one(spark, "SELECT coalesce(sum(unreadable), 0) FROM journals")
     return Summary(
