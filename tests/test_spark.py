@@ -17,7 +17,7 @@ import shutil
 import pyarrow as pa
 import pytest
 from conftest import packed_stream
-from logfactory import example_log
+from logfactory import LogFactory, batch, example_log
 from test_compaction import history
 
 import ledger
@@ -35,6 +35,7 @@ from ledger.commits import (
     write_commit,
 )
 from ledger.compaction import compact
+from ledger.errors import LogCorrupted
 from ledger.schema import EVENT_SCHEMA
 from ledger.segments import encode, segment_path
 from ledger.store import Store, sha256
@@ -234,6 +235,25 @@ def test_an_altered_segment_fails_every_spark_check(spark, tmp_path):
     results = engine.check(session, root, ["coverage", "progress"])
     assert [r.ok for r in results] == [False, False]
     assert "was altered" in results[0].detail and segment_path(0, 1, 2) in results[0].detail
+
+
+def test_spark_rejects_an_id_outside_the_dataset_and_releases_its_cache(spark, tmp_path):
+    """The fused per-(epoch, id) pass finds an id outside the dataset (as the DuckDB audit
+    does), and a summary leaves nothing cached behind, whether it fails or not."""
+    engine, session = spark
+    persisted = session.sparkContext._jsc.sc().getPersistentRDDs().size()
+    root = str(tmp_path / "ok")
+    three_ranks(root)
+    engine.summarize(session, root)
+    assert session.sparkContext._jsc.sc().getPersistentRDDs().size() == persisted
+    f = LogFactory(tmp_path / "bad")  # a dataset of 10 samples
+    f.attempt(0, None)
+    f.commit(0, 1, None, batch(0, 0, 0, 0, ids=[1, 10, 2]), (0, 1))
+    bad = str(tmp_path / "bad")
+    for audit in (lambda: engine.summarize(session, bad), lambda: summarize(bad)):
+        with pytest.raises(LogCorrupted, match="sample id 10, outside the dataset's"):
+            audit()
+    assert session.sparkContext._jsc.sc().getPersistentRDDs().size() == persisted
 
 
 def test_manifest_ranges_match_the_walked_lineage(tmp_path):
