@@ -1067,14 +1067,24 @@ def list_commits(store: Store, *, catalog: bool = True) -> list[Commit]:
         known = catalogued(store)
     out = []
     with no_cycles():
-        for name in store.ls("commits"):
-            if COMMIT_NAME.match(name):
-                cid = name[: -len(".json")]
-                out.append(known.get(cid) or read_commit(store, cid))
+        for cid in _commit_names(store.ls("commits")):
+            out.append(known.get(cid) or read_commit(store, cid))
     out.sort(key=operator.attrgetter("attempt", "step"))
     if cache is not None:
         cache[key] = tuple(out)
     return out
+
+
+_COMMIT_IDS = re.compile(r"^([0-9]+-[0-9]+)\.json$", re.MULTILINE)
+
+
+def _commit_names(names: list[str]) -> list[str]:
+    """The commit ids among file names (those :data:`COMMIT_NAME` matches), by one
+    regular-expression pass over all of them (10^4 commits: 2·10^4 names)."""
+    joined = "\n".join(names)
+    if joined.count("\n") == max(len(names) - 1, 0):  # no name holds a line break
+        return _COMMIT_IDS.findall(joined)
+    return [n[: -len(".json")] for n in names if COMMIT_NAME.match(n)]
 
 
 def default_head(commits: list[Commit]) -> Commit | None:

@@ -318,8 +318,37 @@ def _catalog_commits(
     starts: list[int],
     has_lineage: list[bool],
 ) -> dict[str, Commit]:
+    n = len(cols["id"])
+    # Each commit's rank table as a view of ``values``: one reshape when every commit has
+    # the same shape (a run of one world size), else a slice each.
+    shapes = set(zip(cols["world_size"], cols["width"], strict=True))
+    if len(shapes) == 1:
+        ((world, width),) = shapes
+        tables = list(values.reshape(n, world, width))
+    else:
+        tables = [
+            values[lo:hi].reshape(world, width)
+            for lo, hi, world, width in zip(
+                offsets[:-1].tolist(),
+                offsets[1:].tolist(),
+                cols["world_size"],
+                cols["width"],
+                strict=True,
+            )
+        ]
+    # The lineage ranges as triples, once; a commit's are a slice of them.
+    bounds = np.asarray(starts, np.int64)
+    odd = np.flatnonzero((np.diff(bounds) % 3 != 0) & np.asarray(has_lineage, bool))
+    if odd.size:
+        k = int(odd[0])
+        raise LogCorrupted(
+            f"{where}: commit {cols['id'][k]} has lineage ranges of "
+            f"{starts[k + 1] - starts[k]} values"
+        )
+    aligned = not np.any(np.diff(bounds) % 3)  # null rows of no values, as written
+    triples = list(zip(flat[0::3], flat[1::3], flat[2::3], strict=True)) if aligned else []
     out = {}
-    for k, (cid, step, attempt, parent, world, created, width, lo, hi, digest) in enumerate(
+    for k, (cid, step, attempt, parent, world, created, rows, digest, skips) in enumerate(
         zip(
             cols["id"],
             cols["step"],
@@ -327,25 +356,22 @@ def _catalog_commits(
             cols["parent"],
             cols["world_size"],
             cols["created_at"],
-            cols["width"],
-            offsets[:-1].tolist(),
-            offsets[1:].tolist(),
+            tables,
             cols["manifest_sha256"],
+            cols["skips"],
             strict=True,
         )
     ):
         extra: dict[str, Any] = {}
-        skips = cols["skips"][k]
         if skips:
             extra["skips"] = _skips(where, cid, skips)
         if digest is not None:
             extra["manifest"] = (manifest_path(cid), digest)
-        if has_lineage[k]:
+        if has_lineage[k] and aligned:
+            extra["lineage"] = tuple(triples[starts[k] // 3 : starts[k + 1] // 3])
+        elif has_lineage[k]:
             r = flat[starts[k] : starts[k + 1]]
-            if len(r) % 3:
-                raise LogCorrupted(f"{where}: commit {cid} has lineage ranges of {len(r)} values")
             extra["lineage"] = tuple(zip(r[0::3], r[1::3], r[2::3], strict=True))
-        rows = values[lo:hi].reshape(world, width)
         out[cid] = commit_from_rows(cid, step, attempt, parent, world, created, rows, extra)
     return out
 
