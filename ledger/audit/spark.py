@@ -21,8 +21,12 @@ STRING, BOOLEAN, TIMESTAMP, BINARY). ``uncommitted`` and ``journals`` come from 
 journals on the driver (they are small: one commit interval per rank).
 
 :func:`summarize` and :func:`check` answer exactly what :func:`ledger.audit.summarize`
-and :func:`ledger.audit.checks.check` answer, with ``COUNT(DISTINCT)`` in place of the
-bitmap pass, and check each segment's and compacted file's SHA-256 in Spark (``sha2``
+and :func:`ledger.audit.checks.check` answer, with exact distinct counts in SQL in place
+of the bitmap pass. The summary makes two passes over the rows, neither joining rows to
+commits: rows and samples counted per file (grouped by Spark's per-file
+``_metadata.file_path``, then matched to the manifest once per file), and one
+aggregation over the lineage's own files (distinct counts, ids outside the dataset, last
+position). Both check each segment's and compacted file's SHA-256 in Spark (``sha2``
 over ``binaryFile``) and its row count against its marker before trusting it.
 
 Requires the ``spark`` extra (``pip install 'ledger[spark]'``: pyspark) and Java 17.
