@@ -22,6 +22,7 @@ all threads), which a shared machine's load moves less than wall-clock time.
 Example:
     nice -n 10 python tools/scale.py                # about 3 minutes on 2 cores
     python tools/scale.py --quick                   # smaller sizes, for a smoke run
+    nice -n 10 python tools/scale.py --audit-only   # the compacted audit's rows only
 """
 
 from __future__ import annotations
@@ -212,6 +213,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to build the logs (default: a temp dir)")
+    ap.add_argument(
+        "--audit-only",
+        action="store_true",
+        help="only the audit of 10^6 events after compaction (and verify of that log)",
+    )
     args = ap.parse_args()
     console = Console()
     base = args.dir or tempfile.mkdtemp(prefix="ledger-scale-")
@@ -220,6 +226,8 @@ def main() -> None:
     # issues no collective).
     dist.init_process_group("gloo", init_method=f"file://{base}/pg", rank=0, world_size=1)
     commits = [10, 100, 1000] if args.quick else [10, 100, 1000, 10_000]
+    if args.audit_only:
+        commits = commits[-1:]
     olds = [16, 64] if args.quick else [16, 64, 256]
     worlds = [100, 1000] if args.quick else [100, 1000, 10_000]
     rows: list[tuple[str, list[int], list[float], str]] = []
@@ -235,17 +243,20 @@ def main() -> None:
             lo = loader(f"{base}/c{c}", 100)
             lo.load_state_dict(tokens[c])
 
-        resumes = [best(lambda c=c: resume(c), args.repeat) for c in commits]
-        rows.append(("resume (s)", commits, resumes, "C"))
-        verifies = [timed(lambda c=c: verify(f"{base}/c{c}"), 1) for c in commits[1:]]
-        rows.append(("verify (s)", commits[1:], [v[0] for v in verifies], "C"))
-        rows.append(("verify, CPU (s)", commits[1:], [v[1] for v in verifies], "C"))
-        audits = [timed(lambda c=c: summarize(f"{base}/c{c}"), 1) for c in commits[1:]]
-        rows.append(("audit summary (s)", commits[1:], [a[0] for a in audits], "C"))
-        rows.append(("audit summary, CPU (s)", commits[1:], [a[1] for a in audits], "C"))
+        if args.audit_only:  # verify before compacting, for the comparison printed last
+            verifies = [timed(lambda: verify(f"{base}/c{commits[-1]}"), 1)]
+        else:
+            resumes = [best(lambda c=c: resume(c), args.repeat) for c in commits]
+            rows.append(("resume (s)", commits, resumes, "C"))
+            verifies = [timed(lambda c=c: verify(f"{base}/c{c}"), 1) for c in commits[1:]]
+            rows.append(("verify (s)", commits[1:], [v[0] for v in verifies], "C"))
+            rows.append(("verify, CPU (s)", commits[1:], [v[1] for v in verifies], "C"))
+            audits = [timed(lambda c=c: summarize(f"{base}/c{c}"), 1) for c in commits[1:]]
+            rows.append(("audit summary (s)", commits[1:], [a[0] for a in audits], "C"))
+            rows.append(("audit summary, CPU (s)", commits[1:], [a[1] for a in audits], "C"))
 
         elastic = []
-        for w in olds:
+        for w in [] if args.audit_only else olds:
             token = build(f"{base}/w{w}", 3, w, 4)
 
             def again(w: int = w, token: dict = token) -> None:
@@ -253,9 +264,12 @@ def main() -> None:
                 lo.load_state_dict(token)
 
             elastic.append(best(again, args.repeat))
-        rows.append(("elastic resume W -> W/2, one rank (s)", olds, elastic, "W"))
+        if not args.audit_only:
+            rows.append(("elastic resume W -> W/2, one rank (s)", olds, elastic, "W"))
 
-        for workers, name in ((0, "map-style"), (8, "stream, 8 workers")):
+        for workers, name in (
+            () if args.audit_only else ((0, "map-style"), (8, "stream, 8 workers"))
+        ):
             measured = [marker_work(w, workers, args.repeat) for w in worlds]
             rows.append((f"rank-0 commit work, {name} (s)", worlds, [m[0] for m in measured], "W"))
             rows.append((f"marker bytes per rank, {name}", worlds, [m[1] for m in measured], "W"))
@@ -296,7 +310,8 @@ def main() -> None:
             ", ".join(fmt.format(v) for v in values),
             f"{slope(sizes, values):.2f}",
         )
-    console.print(table)
+    if rows:
+        console.print(table)
     console.print(
         f"audit summary of {big * 100:,} events: 10 segments {t_few:.3f} s; "
         f"{big:,} segments {t_many:.3f} s ({t_many / t_few:.2f}x); after compacting "
@@ -312,8 +327,9 @@ def main() -> None:
         f"(before: {verifies[-1][0]:.3f} s, {verifies[-1][1]:.3f} CPU s)"
     )
     console.print(f"load average at the end: {os.getloadavg()[0]:.1f}")
-    console.print(f"resume at C={commits[-1]:,} vs C={commits[0]}: "
-                  f"{rows[0][2][-1] / rows[0][2][0]:.2f}x")  # fmt: skip
+    if not args.audit_only:
+        console.print(f"resume at C={commits[-1]:,} vs C={commits[0]}: "
+                      f"{rows[0][2][-1] / rows[0][2][0]:.2f}x")  # fmt: skip
     if args.dir is None:
         shutil.rmtree(base, ignore_errors=True)
 
