@@ -297,8 +297,17 @@ def test_the_workers_feed_equals_the_definition_with_payloads(case: tuple) -> No
             break
     state = reference.state(0, None, [])
     buffer = list(reference.ids)
+
+    def blocks(shard: int, row: int, stop: int) -> Iterator[list[str]]:
+        rows = list(read(shard, row, stop))  # in blocks of 1, 2, 3, 1, ... rows
+        out: list[list[str]] = []
+        while rows[sum(map(len, out)) :]:
+            done = sum(map(len, out))
+            out.append(rows[done : done + 1 + len(out) % 3])
+        return iter(out)
+
     feed = Feed(
-        source, list(pieces), state, buffer, [f"payload {i}" for i in buffer], size, key, read
+        source, list(pieces), state, buffer, [f"payload {i}" for i in buffer], size, key, blocks
     )  # type: ignore[arg-type]
     while True:
         want, got = reference.next(), feed.next()

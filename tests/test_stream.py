@@ -185,18 +185,18 @@ def test_resume_rereads_only_the_buffer_and_one_row_group(shards, root, monkeypa
     list(take(loader, 4))
     token = loader.state_dict()
     reads = []
-    real_iter, real_read = _Source.iter_shard, _Source.read
+    real_iter, real_read = _Source.iter_blocks, _Source.read
 
     def counting_iter(self, shard, start_row=0):
-        for row in real_iter(self, shard, start_row):
-            reads.append(("stream", shard))
-            yield row
+        for block in real_iter(self, shard, start_row):  # the rows of each block read
+            reads.extend(("stream", shard) for _ in block)
+            yield block
 
     def counting_read(self, ids):
         reads.extend(("random", int(i)) for i in ids)
         return real_read(self, ids)
 
-    monkeypatch.setattr(_Source, "iter_shard", counting_iter)
+    monkeypatch.setattr(_Source, "iter_blocks", counting_iter)
     monkeypatch.setattr(_Source, "read", counting_read)
     resumed = make()
     resumed.load_state_dict(token)

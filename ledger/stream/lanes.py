@@ -259,6 +259,7 @@ class LaneFeed:
             self.stream.shuffle_buffer,
             self.lanes.key(self.s, self.epoch),
             self._read,
+            self._load,
         )
         feed._held = _Held()  # a carried epoch may hold a row twice (from two old epochs)
         for sid, payload in zip(buffer, payloads, strict=True):
@@ -274,14 +275,11 @@ class LaneFeed:
                 raise
             return failure_of(0, e), None
 
-    def _read(self, shard: int, row: int, stop: int) -> Iterator[tuple[Any, str | None]]:
+    def _read(self, shard: int, row: int, stop: int) -> Iterator[list[dict[str, Any]]]:
         source = self.stream.source
-        base = int(source.offsets[shard]) + row
-        if stop - row == 1:
-            yield self._load(base, source.read([base])[0])
-            return
-        for i, record in enumerate(source.iter_shard(shard, row)):
-            yield self._load(base + i, record)
+        if stop - row == 1:  # a single row (e.g. a carried buffer slot): random access
+            return iter([source.read([int(source.offsets[shard]) + row])])
+        return source.iter_blocks(shard, row)
 
     def next(self) -> tuple[int, Any]:
         """The lane's next ``(row id, (item, draws))``, rolling over source epochs."""

@@ -218,9 +218,14 @@ def assemble(
             deterministic).
     """
     seq_len = packer.seq_len
-    out_tokens: list[np.ndarray] = []
-    owners: list[np.ndarray] = []
-    n = seq_len  # the sequence being filled is full: start a new one
+    # A sequence is full before the next begins (checked below), so the spans fill
+    # ceil(tokens / seq_len) sequences: laid out in place, no per-sequence arrays.
+    total = sum(end - start for start, end, _ in spans)
+    rows = -(-total // seq_len)
+    out_tokens = np.full((rows, seq_len), packer.pad_id, np.int64)
+    owners = np.full((rows, seq_len), -1, np.int64)
+    flat_tokens, flat_owners = out_tokens.reshape(-1), owners.reshape(-1)
+    at = 0  # tokens laid out so far
     for sid, (start, end, length) in zip(ids, spans, strict=True):
         doc = tokens(sid)
         take = end - start
@@ -229,19 +234,13 @@ def assemble(
                 f"sample {sid} has {len(doc)} tokens now; the log packed tokens "
                 f"[{start}, {end}) of {length}: the data or the transform changed"
             )
-        if n + take > seq_len:
-            if n < seq_len:  # the packer fills a sequence before it begins the next
-                raise LedgerError(
-                    f"the log packs a span of {take} tokens of sample {sid} into a sequence "
-                    f"with {seq_len - n} tokens left: it is not this stream's packing"
-                )
-            out_tokens.append(np.full(seq_len, packer.pad_id, np.int64))
-            owners.append(np.full(seq_len, -1, np.int64))
-            n = 0
-        out_tokens[-1][n : n + take] = doc[start:end]
-        owners[-1][n : n + take] = sid
-        n += take
-    return {
-        "tokens": torch.from_numpy(np.stack(out_tokens)),
-        "sample_ids": torch.from_numpy(np.stack(owners)),
-    }
+        n = at % seq_len
+        if n and n + take > seq_len:  # the packer fills a sequence before it begins the next
+            raise LedgerError(
+                f"the log packs a span of {take} tokens of sample {sid} into a sequence "
+                f"with {seq_len - n} tokens left: it is not this stream's packing"
+            )
+        flat_tokens[at : at + take] = doc[start:end]
+        flat_owners[at : at + take] = sid
+        at += take
+    return {"tokens": torch.from_numpy(out_tokens), "sample_ids": torch.from_numpy(owners)}

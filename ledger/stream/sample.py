@@ -63,18 +63,36 @@ def load_sample(
     with ``per_sample_rng`` torch, numpy and ``random`` are seeded from it too. A packed
     stream's item is its tokens (``int64 (length,)``) with the EOS token appended.
     """
-    if per_sample_rng:
-        s = sample_seed(seed, epoch, sid)
-        seed_globals(s)
-        ctx = SampleContext(sid, epoch, s)
-    else:  # the seed is derived only if the transform asks for ctx.rng
-        ctx = SampleContext(sid, epoch, None, run_seed=seed)
-    item = stream.transform(record, ctx) if stream.transform else record
-    if stream.packer is not None:
-        tokens = np.asarray(item, dtype=np.int64).reshape(-1)
-        item = np.append(tokens, np.int64(stream.packer.eos_id))
-    draws = json.dumps(ctx.draws, sort_keys=True) if ctx.draws else None
-    return item, draws
+    return sample_loader(stream, seed, epoch, per_sample_rng)(sid, record)
+
+
+def sample_loader(
+    stream: Stream, seed: int, epoch: int, per_sample_rng: bool
+) -> Callable[[int, dict[str, Any]], tuple[Any, str | None]]:
+    """:func:`load_sample` with the stream, seed, epoch and RNG mode bound: ``(sid,
+    record) -> (item, draws)``, what a worker calls once per row (the per-row work is
+    only the context, the transform and, packed, the tokens' array).
+    """
+    transform = stream.transform
+    packer = stream.packer
+    eos = np.int64(packer.eos_id) if packer is not None else None
+
+    def load(sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
+        if per_sample_rng:
+            s = sample_seed(seed, epoch, sid)
+            seed_globals(s)
+            ctx = SampleContext(sid, epoch, s)
+        else:  # the seed is derived only if the transform asks for ctx.rng
+            ctx = SampleContext(sid, epoch, None, run_seed=seed)
+        item = transform(record, ctx) if transform else record
+        if eos is not None:
+            tokens = np.asarray(item, dtype=np.int64).reshape(-1)
+            item = np.empty(tokens.size + 1, np.int64)
+            item[:-1] = tokens
+            item[-1] = eos
+        return item, (json.dumps(ctx.draws, sort_keys=True) if ctx.draws else None)
+
+    return load
 
 
 def rebuild_batch(

@@ -156,6 +156,18 @@ class ShardedSource:
             ConfigMismatch: if a row group's content differs from when the run first
                 read it (with :meth:`record_digests`).
         """
+        for block in self.iter_blocks(shard, start_row):
+            yield from block
+
+    def iter_blocks(self, shard: int, start_row: int = 0) -> Iterator[list[dict[str, Any]]]:
+        """:meth:`iter_shard` a block at a time: lists of consecutive rows (a Parquet row
+        group, or up to 1,024 JSONL lines), the first from ``start_row``; no block is
+        empty. What the workers read, so per-row work stays out of the reading.
+
+        Raises:
+            ConfigMismatch: if a row group's content differs from when the run first
+                read it (with :meth:`record_digests`).
+        """
         path = self._files.paths[shard]
         if path.endswith(".parquet"):
             starts = self._row_groups[shard]
@@ -165,12 +177,13 @@ class ShardedSource:
                 for g in range(max(first, 0), pf.num_row_groups):
                     rows = self._checked(shard, g, pf.read_row_group(g, columns=self.columns))
                     skip = start_row - int(starts[g]) if g == first else 0
-                    yield from rows[skip:]
+                    if skip < len(rows):
+                        yield rows[skip:] if skip else rows
         else:
             lines = self._lines[shard]
             for lo in range(start_row, len(lines) - 1, _JSONL_BLOCK):
                 hi = min(lo + _JSONL_BLOCK, len(lines) - 1)
-                yield from self._jsonl_rows(shard, lo, hi)
+                yield self._jsonl_rows(shard, lo, hi)
 
     def read(self, sample_ids: Sequence[int] | np.ndarray) -> list[dict[str, Any]]:
         """Rows by sample id, in the order given (random access).

@@ -15,7 +15,6 @@ row; at the end of the stream the remaining slots are drawn without replacement)
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,7 @@ from ledger.fetch import Failure, failure_of
 from ledger.order import rngs_preserved
 from ledger.stream.packing import PackState, Tail, assemble
 from ledger.stream.plan import EpochPlan, buffer_key
-from ledger.stream.sample import load_sample
+from ledger.stream.sample import sample_loader
 from ledger.stream.shuffle import IdFeed, Piece, skip_empty
 from ledger.stream.source import ShardedSource
 from ledger.stream.spec import Stream
@@ -42,10 +41,11 @@ class Feed:
     """One logical worker's shuffled stream of samples with their payloads.
 
     The ids come from :class:`~ledger.stream.shuffle.IdFeed` (the same computation the
-    main process's replica runs); the rows are read in order as its cursor advances,
-    transformed, and held by sample id until the buffer hands them on. Ids are taken a
-    few at a time: as many as the caller says it needs, else 1, 2, 4, ... up to
-    :data:`_AHEAD`, so a resumed worker reads no row its first batch does not need.
+    main process's replica runs); the rows are read in order, a block at a time, as its
+    cursor advances, transformed one by one as the cursor reaches them, and held by
+    sample id until the buffer hands them on. Ids are taken a few at a time: as many as
+    the caller says it needs, else 1, 2, 4, ... up to :data:`_AHEAD`, so a resumed
+    worker transforms no row its first batch does not need.
 
     Args:
         source: the rows.
@@ -55,7 +55,9 @@ class Feed:
         payloads: payloads of those slots.
         size: buffer size (rows).
         key: 64-bit key of the buffer's counter-based generator.
-        read: ``(shard, row, stop) -> iterator of payloads of that shard from that row``.
+        read: ``(shard, row, stop) -> iterator of blocks`` (non-empty lists) of that
+            shard's records from that row on.
+        load: ``(sample id, record) -> payload``; default: the record is the payload.
     """
 
     def __init__(
@@ -67,7 +69,8 @@ class Feed:
         payloads: list[Any],
         size: int,
         key: int,
-        read: Callable[[int, int, int], Iterator[Any]],
+        read: Callable[[int, int, int], Iterator[list[Any]]],
+        load: Callable[[int, Any], Any] | None = None,
     ) -> None:
         self.ids = IdFeed(source, pieces, state, buffer, size, key)
         self._held = dict(zip(buffer, payloads, strict=True))
@@ -77,7 +80,10 @@ class Feed:
         self._row = state.row
         self._rows_read = state.rows_read
         self._read = read
-        self._rows: Iterator[Any] | None = None
+        self._load = load
+        self._rows: Iterator[list[Any]] | None = None
+        self._block: list[Any] = []  # records read and not yet transformed: _block[_at:]
+        self._at = 0
         self._queue: list[int] = []
         self._next = 0
         self._ahead = 1
@@ -91,17 +97,40 @@ class Feed:
     def _read_until(self, rows_read: int) -> None:
         """Read (and transform) rows in order until ``rows_read`` rows were read."""
         held = self._held
+        load = self._load
         while self._rows_read < rows_read:
             file, _, stop = self._pieces[self._shard]
             if self._rows is None:
                 self._rows = self._read(file, self._row, stop)
-            n = min(stop - self._row, rows_read - self._rows_read)
+                self._block, self._at = [], 0
+            if self._at == len(self._block):
+                self._block, self._at = next(self._rows), 0
+            at = self._at
+            n = min(stop - self._row, rows_read - self._rows_read, len(self._block) - at)
             base = self._base[self._shard] + self._row
-            for i, payload in enumerate(itertools.islice(self._rows, n)):
-                held[base + i] = payload
+            records = self._block[at : at + n]
+            if load is None:
+                for sid, record in zip(range(base, base + n), records, strict=True):
+                    held[sid] = record
+            else:
+                for sid, record in zip(range(base, base + n), records, strict=True):
+                    held[sid] = load(sid, record)
+            self._at = at + n
             self._row += n
             self._rows_read += n
             self._skip_empty()
+
+    def _refill(self, wanted: int) -> bool:
+        """Take the next ids from the id stream (reading their rows); ``False`` at the
+        end of the epoch."""
+        count = min(max(wanted, self._ahead), _AHEAD)
+        self._ahead = min(2 * self._ahead, _AHEAD)
+        self._queue = self.ids.take(count).tolist()
+        self._next = 0
+        if not self._queue:
+            return False
+        self._read_until(self.ids.rows_read)
+        return True
 
     def next(self, wanted: int = 0) -> Loaded | None:
         """The next sample of the shuffled stream, or ``None`` at the end of the epoch.
@@ -109,17 +138,26 @@ class Feed:
         Args:
             wanted: how many samples the caller will ask for at least (0: unknown).
         """
-        if self._next == len(self._queue):
-            count = min(max(wanted, self._ahead), _AHEAD)
-            self._ahead = min(2 * self._ahead, _AHEAD)
-            self._queue = self.ids.take(count).tolist()
-            self._next = 0
-            if not self._queue:
-                return None
-            self._read_until(self.ids.rows_read)
+        if self._next == len(self._queue) and not self._refill(wanted):
+            return None
         sid = self._queue[self._next]
         self._next += 1
         return sid, self._held.pop(sid)
+
+    def take(self, n: int) -> tuple[list[int], list[Any]]:
+        """The next ``n`` samples' ids and payloads (fewer only at the end of the
+        epoch): :meth:`next` ``n`` times, a run of ids at a time."""
+        ids: list[int] = []
+        payloads: list[Any] = []
+        pop = self._held.pop
+        while len(ids) < n:
+            if self._next == len(self._queue) and not self._refill(n - len(ids)):
+                break
+            run = self._queue[self._next : self._next + n - len(ids)]
+            self._next += len(run)
+            ids += run
+            payloads += map(pop, run)
+        return ids, payloads
 
 
 _AHEAD = 64
@@ -204,6 +242,7 @@ class WorkerRun:
         self.collate_fn = collate_fn
         self.per_sample_rng = per_sample_rng
         source = stream.source
+        self._load_sample = sample_loader(stream, seed, plan.epoch, per_sample_rng)
         payloads = [self._load(s, r) for s, r in zip(buffer, source.read(buffer), strict=True)]
         self.feed = Feed(
             source,
@@ -214,6 +253,7 @@ class WorkerRun:
             stream.shuffle_buffer,
             buffer_key(seed, plan.epoch, rank, worker),
             self._read,
+            self._load_sample if not skip_errors else self._load,
         )
         self.packing = PackState(
             (state.doc, state.doc_offset, state.doc_length) if state.doc >= 0 else None,
@@ -239,6 +279,8 @@ class WorkerRun:
     def _next(self, wanted: int = 0) -> Loaded | None:
         """The next sample that loaded (noting the failed ones before it in
         :attr:`_failures`), or ``None`` at the end of the epoch."""
+        if not self.skip_errors:
+            return self.feed.next(wanted)
         while True:
             nxt = self.feed.next(wanted)
             if nxt is None:
@@ -257,19 +299,16 @@ class WorkerRun:
         self._docs[sid] = (item, draws)
         return sid, len(item)
 
-    def _read(self, shard: int, row: int, stop: int) -> Iterator[tuple[Any, str | None]]:
+    def _read(self, shard: int, row: int, stop: int) -> Iterator[list[dict[str, Any]]]:
         source = self.stream.source
-        base = int(source.offsets[shard]) + row
         if stop - row == 1:  # a single row (e.g. a carried buffer slot): random access
-            yield self._load(base, source.read([base])[0])
-            return
-        for i, record in enumerate(source.iter_shard(shard, row)):
-            yield self._load(base + i, record)
+            return iter([source.read([int(source.offsets[shard]) + row])])
+        return source.iter_blocks(shard, row)
 
     def _load(self, sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
         """``(item, draws)``; with ``skip_errors``, ``(Failure, None)`` if it raised."""
         try:
-            return load_sample(self.stream, self.seed, self.epoch, sid, record, self.per_sample_rng)
+            return self._load_sample(sid, record)
         except Exception as e:
             if not self.skip_errors:
                 raise
@@ -324,8 +363,13 @@ class WorkerRun:
             yield pending
 
     def _items(self) -> tuple[BatchMeta, Any]:
-        ids: list[int] = []
-        items: list[Any] = []
+        if not self.skip_errors:  # no failure to look for: a batch's samples at once
+            ids, loaded = self.feed.take(self.batch_size)
+            items = [item for item, _ in loaded]
+            drawn = _drawn([d for _, d in loaded])
+            return BatchMeta(self.worker, self.epoch, np.array(ids, np.int64), None, drawn), items
+        ids = []
+        items = []
         draws: list[str | None] = []
         while len(items) < self.batch_size:
             nxt = self._next(self.batch_size - len(items))
