@@ -1,6 +1,6 @@
 """Benchmark a ledger Stream against the same reading done by a plain IterableDataset.
 
-Two measurements, printed as tables of ratios measured in one run (no assertions):
+Three measurements, printed as tables of ratios measured in one run (no assertions):
 
 1. Throughput, default arguments: one epoch of a ``ledger.stream.Stream`` over Parquet
    shards (shuffle buffer 1,000; without and with packing) under ``ledger.DataLoader``,
@@ -8,7 +8,9 @@ Two measurements, printed as tables of ratios measured in one run (no assertions
    group by row group, applies the same transform, shuffles through a buffer of the same
    size (``random.Random``) and packs the same way, under torch's DataLoader. Best of R,
    repeats interleaved.
-2. Main-process work per batch: the batches a stream's workers produce are collected
+2. CPU seconds per epoch at 0 workers (``time.process_time``), plain against ledger:
+   what the reading costs, less sensitive to other load than throughput.
+3. Main-process work per batch: the batches a stream's workers produce are collected
    first, then the loader's per-batch work on them is timed alone (the replica fold that
    checks the batch, the events, the journal write): what the training loop pays, as CPU
    time of the main thread (and of the whole process, which adds the segment encoding
@@ -212,6 +214,47 @@ def throughput(
     return t, ratios
 
 
+def cpu_per_epoch(paths: list[str], repeats: int, tmp: str) -> tuple[Table, dict[bool, float]]:
+    """CPU seconds (``time.process_time``: all threads of this process) of one epoch at 0
+    workers, plain stream against ledger's, best of ``repeats`` interleaved: less
+    sensitive than throughput to other load on the machine. The table, and ledger's
+    ratio (plain CPU / ledger CPU) by packing."""
+    t = Table(title=f"CPU seconds per epoch, 0 workers, buffer {BUFFER}, best of {repeats}")
+    for col in ("packing", "rows", "plain IterableDataset CPU s", "ledger Stream CPU s", "ratio"):
+        t.add_column(col, justify="left" if col == "packing" else "right")
+    ratios: dict[bool, float] = {}
+    for packed in (False, True):
+        bs = _batch_size(packed)
+        best = {"plain": float("inf"), "ledger": float("inf")}
+        for r in range(repeats):
+            for name in ("plain", "ledger") if r % 2 == 0 else ("ledger", "plain"):
+                loader: Any = (
+                    tud.DataLoader(PlainStream(paths, bs, packed, 0), batch_size=None)
+                    if name == "plain"
+                    else ledger.DataLoader(
+                        _stream(paths, packed),
+                        batch_size=bs,
+                        shuffle=True,
+                        log=os.path.join(tmp, f"cpu-{packed}-{r}"),
+                    )
+                )
+                p0 = time.process_time()
+                for _ in loader:
+                    pass
+                best[name] = min(best[name], time.process_time() - p0)
+                if name == "ledger":
+                    loader.close()
+        ratios[packed] = best["plain"] / best["ledger"]
+        t.add_row(
+            "on" if packed else "off",
+            f"{len(ShardedSource(paths)):,}",
+            f"{best['plain']:.3f}",
+            f"{best['ledger']:.3f}",
+            f"{ratios[packed]:.3f}",
+        )
+    return t, ratios
+
+
 def main_process_work(
     paths: list[str], tmp: str, workers: int, repeats: int = 3
 ) -> tuple[Table, dict[bool, float]]:
@@ -309,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         paths = make_shards(tmp, a.shards, a.rows)
         con.print(main_process_work(paths, tmp, 8)[0])
+        con.print(cpu_per_epoch(paths, a.repeats, tmp)[0])
         con.print(throughput(paths, a.workers, a.repeats, tmp, con)[0])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
