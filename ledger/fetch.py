@@ -28,7 +28,7 @@ is always fetched a batch at a time: one ``__getitems__`` call per batch. Its ba
 runs once, so it is seeded once per batch in the ``"sample"`` mode too (with the batch
 seed). A :class:`ledger.Mixture` with such a source has a ``__getitems__`` too (one call
 per source of the batch, :meth:`ledger.mixture.Mixture._getitems`).
-Bad samples (``DataLoader(on_error="skip")``, :func:`fetch_samples`): a sample whose
+Bad samples (``DataLoader(on_error="skip")``, :func:`load_batch`): a sample whose
 loading raises is left out and reported as a :class:`Failure`; a batched
 ``__getitems__`` that raises is retried one sample at a time after re-seeding as before
 it. The loader logs failures as ``error`` events, and ``ledger show --materialize``
@@ -128,61 +128,6 @@ def failure_of(index: int, e: Exception) -> Failure:
     t = type(e)
     name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
     return Failure(index, name, str(e)[:MESSAGE_CHARS])
-
-
-def fetch_batch(
-    dataset: Any,
-    ids: np.ndarray,
-    *,
-    seed: int,
-    epoch: int,
-    position: int,
-    rng: RngMode,
-    main_process: bool,
-) -> list[Any]:
-    """The samples of one batch, fetched with the run's RNG mode.
-
-    Args:
-        dataset: the map-style dataset.
-        ids: ``int64 (batch,)`` sample ids, in batch order.
-        seed: the run's seed.
-        epoch: the batch's epoch.
-        position: position of the batch's first sample in the epoch's order.
-        rng: the RNG mode (see the module docstring).
-        main_process: restore the global RNG states afterwards (the training loop's,
-            when there are no workers or when re-creating a batch).
-
-    Returns:
-        The samples, a list of ``len(ids)`` items as the dataset returned them.
-
-    Raises:
-        Exception: whatever the dataset raised.
-    """
-    samples, _, _ = load_batch(
-        dataset, ids, seed=seed, epoch=epoch, position=position, rng=rng,
-        main_process=main_process, skip_errors=False,
-    )  # fmt: skip
-    return samples
-
-
-def fetch_samples(
-    dataset: Any,
-    ids: np.ndarray,
-    *,
-    seed: int,
-    epoch: int,
-    position: int,
-    rng: RngMode,
-    main_process: bool,
-    skip_errors: bool,
-) -> tuple[list[Any], list[Failure]]:
-    """The samples of one batch, and (``skip_errors``) the ones whose loading raised:
-    :func:`load_batch` without a collate function."""
-    samples, failures, _ = load_batch(
-        dataset, ids, seed=seed, epoch=epoch, position=position, rng=rng,
-        main_process=main_process, skip_errors=skip_errors,
-    )  # fmt: skip
-    return samples, failures
 
 
 def load_batch(

@@ -183,7 +183,7 @@ class DataLoader:
             its batch (which is then shorter) and logged as an ``error`` event with the
             exception's type and message (``ledger audit`` lists them). The same samples
             fail on every run, resume and ``ledger show --materialize``, since loading
-            is a function of the dataset and the seeds (:func:`ledger.fetch.fetch_samples`).
+            is a function of the dataset and the seeds (:func:`ledger.fetch.load_batch`).
             A batch whose every sample fails raises :class:`ledger.errors.SampleError`.
             A :class:`~ledger.stream.Stream` drops a failed sample where its shuffle
             buffer hands it on and fills the batch with the next one
