@@ -253,7 +253,7 @@ def seed_globals(seed: int) -> None:
 def _memory(address: int, size: int) -> memoryview:
     """A writable byte view of ``size`` bytes at ``address`` (the owner must outlive it).
 
-    Copying through a view (``bytes(view)``, ``view[:] = saved``) costs about a tenth of
+    Copying through a view (``bytes(view)``, ``view[:] = saved``) costs a third to a fifth of
     a ``ctypes.string_at``/``memmove`` call, which matters once per batch.
     """
     return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
