@@ -25,7 +25,7 @@ from ledger.stream.lanes import LaneFeed, LaneIds, Lanes, Positions, source_seed
 from ledger.stream.packing import PackState, Tail, assemble
 from ledger.stream.sample import load_sample
 from ledger.stream.shuffle import Piece
-from ledger.stream.worker import BatchMeta, _drawn
+from ledger.stream.worker import BatchMeta, _drawn, carry_failures
 
 if TYPE_CHECKING:
     from ledger.mixture import Mixture
@@ -168,31 +168,15 @@ class MixedRun:
             SampleError: (``skip_errors``) if every sample left to the worker in the
                 mixture epoch failed to load, so no batch can carry the failures.
         """
-        if not self.skip_errors:
-            while (made := self._batch()) is not None:
-                yield made
-            return
-        pending = None
-        while (made := self._batch()) is not None:
-            if pending is not None:
-                yield pending
-            pending = made
-        if self._failures:  # failed samples after the last good one: with the last batch
-            if pending is None:
-                ext, _, value = self._failures[0]
-                raise SampleError(
-                    f"every sample left to worker {self.worker} in mixture epoch "
-                    f"{self.epoch} failed to load (the first, extended id {ext}: {value}): "
-                    "no batch can carry them. Fix the source, or filter these rows out"
-                )
-            meta = pending[0]
-            shift = meta.pulled
-            meta.failures = (meta.failures or []) + [
-                (ext, shift + k, value) for ext, k, value in self._failures
-            ]
-            meta.pulled = shift + self._pulled
-        if pending is not None:
-            yield pending
+        return carry_failures(
+            self._batch,
+            lambda: (self._failures, self._pulled) if self.skip_errors else None,
+            lambda ext, value: SampleError(
+                f"every sample left to worker {self.worker} in mixture epoch "
+                f"{self.epoch} failed to load (the first, extended id {ext}: {value}): "
+                "no batch can carry them. Fix the source, or filter these rows out"
+            ),
+        )
 
     def _items(self) -> tuple[BatchMeta, Any]:
         ids: list[int] = []

@@ -195,6 +195,44 @@ class BatchMeta:
     pulled: int = 0
 
 
+def carry_failures(
+    make: Callable[[], tuple[BatchMeta, Any] | None],
+    leftover: Callable[[], tuple[list[tuple[int, int, str]], int] | None],
+    all_failed: Callable[[int, str], SampleError],
+) -> Iterator[tuple[BatchMeta, Any]]:
+    """The batches ``make`` returns until it returns ``None``; with ``on_error="skip"``
+    (``leftover`` gives the failures and pulled count of the batch being made, not
+    ``None``), held one batch back, so that samples failing after the worker's last good
+    one ride with its last batch (:class:`WorkerRun` and the mixtures' ``MixedRun``).
+
+    Raises:
+        SampleError: ``all_failed(first id, its failure)`` when samples failed and no
+            batch is left to carry them.
+    """
+    if leftover() is None:
+        while (made := make()) is not None:
+            yield made
+        return
+    pending = None
+    while (made := make()) is not None:
+        if pending is not None:
+            yield pending
+        pending = made
+    failures, pulled = leftover() or ([], 0)
+    if failures:
+        if pending is None:
+            first, _, value = failures[0]
+            raise all_failed(first, value)
+        meta = pending[0]
+        shift = meta.pulled
+        meta.failures = (meta.failures or []) + [
+            (sid, shift + k, value) for sid, k, value in failures
+        ]
+        meta.pulled = shift + pulled
+    if pending is not None:
+        yield pending
+
+
 class WorkerRun:
     """The real pipeline of one logical worker: reads, transforms, shuffles, packs, batches.
 
@@ -336,31 +374,15 @@ class WorkerRun:
             SampleError: (``skip_errors``) if every sample left to the worker in the
                 epoch failed to load, so no batch can carry the failures.
         """
-        if not self.skip_errors:
-            while (made := self._batch()) is not None:
-                yield made
-            return
-        pending = None
-        while (made := self._batch()) is not None:
-            if pending is not None:
-                yield pending
-            pending = made
-        if self._failures:  # failed samples after the last good one: with the last batch
-            if pending is None:
-                sid, _, value = self._failures[0]
-                raise SampleError(
-                    f"every sample left to worker {self.worker} in epoch {self.epoch} failed "
-                    f"to load (the first, sample {sid}: {value}): no batch can carry them. "
-                    "Fix the source, or filter these rows out"
-                )
-            meta = pending[0]
-            shift = meta.pulled
-            meta.failures = (meta.failures or []) + [
-                (sid, shift + k, value) for sid, k, value in self._failures
-            ]
-            meta.pulled = shift + self._pulled
-        if pending is not None:
-            yield pending
+        return carry_failures(
+            self._batch,
+            lambda: (self._failures, self._pulled) if self.skip_errors else None,
+            lambda sid, value: SampleError(
+                f"every sample left to worker {self.worker} in epoch {self.epoch} failed "
+                f"to load (the first, sample {sid}: {value}): no batch can carry them. "
+                "Fix the source, or filter these rows out"
+            ),
+        )
 
     def _items(self) -> tuple[BatchMeta, Any]:
         if not self.skip_errors:  # no failure to look for: a batch's samples at once
