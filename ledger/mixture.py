@@ -24,9 +24,11 @@ logging and any position can be computed directly, e.g. after a resume):
 The log names each event's source (the ``source`` column); ``sample_id`` is the index in
 that source. ``ledger audit --check mixture`` compares realised with target shares.
 
-A mixture of :class:`ledger.stream.Stream` sources places sources on positions by the
+A mixture with :class:`ledger.stream.Stream` sources places sources on positions by the
 same blocks, but its positions are dealt to the logical workers and each worker reads
-each source through its own lane of that stream (:mod:`ledger.stream.mixing`).
+each source through its own lane of that stream (:mod:`ledger.stream.mixing`); a
+map-style source beside streams is read through lanes too, each over a run of its seeded
+order of each of its epochs (:mod:`ledger.stream.indexed`).
 """
 
 from __future__ import annotations
@@ -130,14 +132,16 @@ class Mixture:
 
     See the module docstring for the order. ``mixture[i]`` takes a *flat* id: source
     ``s``'s sample ``j`` is ``offsets[s] + j`` (the loader fetches through it; the log
-    records ``source`` and ``j``). A mixture of streams (every source a
+    records ``source`` and ``j``). A mixture with streams (some source a
     :class:`ledger.stream.Stream`; :mod:`ledger.stream.mixing`) has no ``mixture[i]``:
-    its sources are read as streams; its ``sample_id`` is a row of the source.
+    its sources are read through per-worker lanes; a stream's ``sample_id`` is a row of
+    the source, a map-style source's the index (:mod:`ledger.stream.indexed`: its lanes
+    read its seeded order of each of its epochs, ``dataset[i]`` one sample at a time).
 
     Args:
-        sources: name -> map-style dataset (``__len__``, ``__getitem__``), or name ->
-            :class:`ledger.stream.Stream` (all of them), in a fixed order (it is part of
-            the run's configuration).
+        sources: name -> map-style dataset (``__len__``, ``__getitem__``) or
+            :class:`ledger.stream.Stream`, in a fixed order (it is part of the run's
+            configuration).
         weights: name -> weight (normalised), or a :class:`Schedule`.
         epoch_size: positions per mixture epoch (default: the sources' total length,
             in rows for streams).
@@ -145,8 +149,8 @@ class Mixture:
     Raises:
         ValueError: if there is no source, a source is empty, a weight names no
             source, ``epoch_size < 1``, or streams pack differently.
-        UnsupportedArgument: if a source is a mixture, or streams and map-style datasets
-            are mixed.
+        UnsupportedArgument: if a source is a mixture, or neither a map-style dataset
+            nor a stream.
     """
 
     def __init__(
@@ -163,36 +167,37 @@ class Mixture:
         self.names: tuple[str, ...] = tuple(str(n) for n in sources)
         self.sources: tuple[Any, ...] = tuple(sources.values())
         streams = [isinstance(ds, Stream) for ds in self.sources]
-        self.streams = all(streams)
-        """Every source is a stream (:mod:`ledger.stream.mixing`)."""
-        if any(streams) and not self.streams:
-            # A map-style source's order is random access and fetched by the main order;
-            # a stream is read through per-worker lanes: one position cannot be both.
-            name = self.names[streams.index(True)]
-            other = self.names[streams.index(False)]
-            raise UnsupportedArgument(
-                f"source {name!r} is a Stream and source {other!r} is not: a Mixture mixes "
-                "map-style datasets, or streams, not both. Wrap the map-style dataset's "
-                "rows in a Parquet or JSONL shard and mix two streams"
-            )
-        if self.streams:
-            from ledger.stream.mixing import check_sources
-
-            check_sources(self.sources, self.names)
+        self.streams = any(streams)
+        """Some source is a stream: the mixture is read through per-worker lanes
+        (:mod:`ledger.stream.mixing`), its map-style sources too
+        (:mod:`ledger.stream.indexed`)."""
         for name, ds in zip(self.names, self.sources, strict=True):
             if isinstance(ds, Mixture):
                 raise UnsupportedArgument(
                     f"source {name!r} is a Mixture: mix its sources into this one instead"
                 )
-            if self.streams:
+            if isinstance(ds, Stream):
                 continue
             if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
                 raise UnsupportedArgument(
-                    f"source {name!r} ({type(ds).__name__}) is not a map-style dataset "
-                    "(__len__ and __getitem__)"
+                    f"source {name!r} ({type(ds).__name__}) is neither a map-style dataset "
+                    "(__len__ and __getitem__) nor a ledger.stream.Stream"
                 )
+        if self.streams:
+            from ledger.stream.indexed import IndexedSource
+            from ledger.stream.mixing import check_sources
+
+            stream_names = tuple(n for n, st in zip(self.names, streams, strict=True) if st)
+            check_sources(tuple(ds for ds in self.sources if isinstance(ds, Stream)), stream_names)
+            # A map-style source beside streams is read through lanes too, over its seeded
+            # order; in a packed mixture its items are token sequences (the streams' packer).
+            packer = next(ds.packer for ds in self.sources if isinstance(ds, Stream))
+            self.sources = tuple(
+                ds if isinstance(ds, Stream) else IndexedSource(ds, packer) for ds in self.sources
+            )
         self.lengths = np.array(
-            [ds.source.num_rows if self.streams else len(ds) for ds in self.sources], np.int64
+            [ds.source.num_rows if isinstance(ds, Stream) else len(ds) for ds in self.sources],
+            np.int64,
         )
         empty = [n for n, k in zip(self.names, self.lengths.tolist(), strict=True) if k == 0]
         if empty:
@@ -229,7 +234,10 @@ class Mixture:
             TypeError: for a mixture of streams (no random access).
         """
         if self.streams:
-            raise TypeError("a Mixture of streams has no random access (mixture[i])")
+            raise TypeError(
+                "a Mixture with streams has no random access (mixture[i]): its sources are "
+                "read through per-worker lanes"
+            )
         s = int(np.searchsorted(self.offsets, flat, side="right")) - 1
         if not 0 <= s < len(self.sources) or flat < 0:
             raise IndexError(f"flat id {flat} is outside [0, {int(self.offsets[-1])})")

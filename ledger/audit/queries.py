@@ -471,7 +471,9 @@ def materialize(
             "never saw it, there is nothing to re-create"
         )
     if isinstance(dataset, Mixture) and dataset.streams:
-        data = rebuild_mixed_batch(dataset, seed, record.events, rng == "sample", collate)
+        data = rebuild_mixed_batch(
+            dataset, seed, record.events, rng == "sample", collate, seed_maps=rng != "off"
+        )
     elif isinstance(dataset, Stream):
         data = rebuild_batch(dataset, seed, record.epoch, record.events, rng == "sample", collate)
     else:

@@ -29,6 +29,7 @@ from ledger.stream.worker import Feed
 
 if TYPE_CHECKING:
     from ledger.mixture import Mixture
+    from ledger.stream.indexed import IndexedSource, IndexFeed, IndexIds
     from ledger.stream.spec import Stream
 
 EMPTY = np.zeros(0, np.int64)
@@ -89,6 +90,49 @@ def lane_pieces(
     return cut(shards, total, gw)
 
 
+def source_pieces(
+    stream: Stream | IndexedSource, seed: int, epoch: int, shuffle: bool, total: int, gw: int
+) -> list[Piece]:
+    """What lane ``gw`` of ``total`` reads of a source's ``epoch``: a stream's rows
+    (:func:`lane_pieces`), or a map-style source's positions of its epoch's order
+    (:meth:`ledger.stream.indexed.IndexedSource.pieces`)."""
+    from ledger.stream.indexed import IndexedSource
+
+    if isinstance(stream, IndexedSource):
+        return stream.pieces(seed, epoch, shuffle, total, gw)
+    return lane_pieces(stream.source, seed, epoch, shuffle, total, gw)
+
+
+def lane_ids(
+    lanes: Lanes, s: int, epoch: int, pieces: list[Piece], state: WorkerState, buffer: list[int]
+) -> LaneIds | IndexIds:
+    """The main process's ids-only lane of source ``s``, of its kind."""
+    from ledger.stream.indexed import IndexedSource, IndexIds
+
+    if isinstance(lanes.streams[s], IndexedSource):
+        return IndexIds(lanes, s, epoch, pieces, state)
+    return LaneIds(lanes, s, epoch, pieces, state, buffer)
+
+
+def lane_feed(
+    lanes: Lanes,
+    s: int,
+    epoch: int,
+    pieces: list[Piece],
+    state: WorkerState,
+    buffer: list[int],
+    seed: int,
+    rng: str,
+    skip_errors: bool,
+) -> LaneFeed | IndexFeed:
+    """A worker's lane of source ``s``, of its kind (``rng``: the run's RNG mode)."""
+    from ledger.stream.indexed import IndexedSource, IndexFeed
+
+    if isinstance(lanes.streams[s], IndexedSource):
+        return IndexFeed(lanes, s, epoch, pieces, state, rng != "off", skip_errors)
+    return LaneFeed(lanes, s, epoch, pieces, state, buffer, seed, rng == "sample", skip_errors)
+
+
 def cut(pieces: list[Piece], total: int, gw: int) -> list[Piece]:
     """Run ``gw`` of ``total`` runs of equal rows (within one) of the rows of ``pieces``
     in order."""
@@ -122,7 +166,7 @@ class Lanes:
         workers: int,
         worker: int,
     ) -> None:
-        self.streams: tuple[Stream, ...] = mixture.sources
+        self.streams: tuple[Any, ...] = mixture.sources  # Stream or IndexedSource
         self.seeds = [source_seed(seed, n) for n in mixture.names]
         self.names = mixture.names
         self.shuffle = shuffle
@@ -133,8 +177,8 @@ class Lanes:
 
     def fresh(self, s: int, epoch: int) -> list[Piece]:
         """The pieces of source ``s``'s ``epoch`` for this worker in a fresh plan."""
-        return lane_pieces(
-            self.streams[s].source, self.seeds[s], epoch, self.shuffle,
+        return source_pieces(
+            self.streams[s], self.seeds[s], epoch, self.shuffle,
             self.world * self.workers, self.rank * self.workers + self.worker,
         )  # fmt: skip
 
@@ -199,6 +243,10 @@ class LaneIds:
             epochs.append(np.full(more.size, self.epoch, np.int64))
             have += more.size
         return np.concatenate(parts), np.concatenate(epochs)
+
+    def buffer(self) -> list[int]:
+        """Sample ids in the lane's buffer now, in slot order."""
+        return self.feed.buffer()
 
     def state(self) -> WorkerState:
         f = self.feed
@@ -274,6 +322,11 @@ class LaneFeed:
             if not self.skip_errors:
                 raise
             return failure_of(0, e), None
+
+    def reopen(self, epoch: int, row: int) -> tuple[Any, str | None]:
+        """A sample begun before (a packed tail), read and transformed again with its seed."""
+        record = self.stream.source.read([row])[0]
+        return load_sample(self.stream, self.seed, epoch, row, record, self.per_sample_rng)
 
     def _read(self, shard: int, row: int, stop: int) -> Iterator[list[dict[str, Any]]]:
         source = self.stream.source

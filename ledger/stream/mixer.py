@@ -21,7 +21,8 @@ from ledger.errors import LedgerError, SampleError, SourceMissing
 from ledger.fetch import Failure
 from ledger.order import rngs_preserved
 from ledger.pipeline import LoaderSettings
-from ledger.stream.lanes import LaneFeed, LaneIds, Lanes, Positions, source_seed
+from ledger.stream.indexed import IndexedSource
+from ledger.stream.lanes import Lanes, Positions, lane_feed, lane_ids, source_seed
 from ledger.stream.packing import PackState, Tail, assemble
 from ledger.stream.sample import load_sample
 from ledger.stream.shuffle import Piece
@@ -58,7 +59,10 @@ class MixedRun:
         plan: the worker's plan of the epoch.
         state: its mixer's state; ``lanes``: its lanes' states.
         epoch: the mixture epoch.
-        seed, batch_size, collate_fn, per_sample_rng: as for a stream's worker.
+        seed, batch_size, collate_fn: as for a stream's worker.
+        rng: the run's RNG mode (:mod:`ledger.fetch`): ``"sample"`` seeds the global RNGs
+            before each stream sample, anything but ``"off"`` before each map-style one
+            (:mod:`ledger.stream.indexed`).
     """
 
     def __init__(
@@ -72,7 +76,7 @@ class MixedRun:
         seed: int,
         batch_size: int,
         collate_fn: Callable[[list[Any]], Any],
-        per_sample_rng: bool,
+        rng: str,
         skip_errors: bool = False,
     ) -> None:
         self.mixture = mixture
@@ -89,7 +93,7 @@ class MixedRun:
         self.positions = plan.positions
         self.k = mixer.emitted
         self.lanes = [
-            LaneFeed(lanes, s, e, pieces, st, buf, seed, per_sample_rng, skip_errors)
+            lane_feed(lanes, s, e, pieces, st, buf, seed, rng, skip_errors)
             for s, ((e, pieces), st, buf) in enumerate(
                 zip(plan.lanes, lane_states, plan.buffers, strict=True)
             )
@@ -134,16 +138,8 @@ class MixedRun:
         """The tokens of a sample begun before (a tail, or the sample in progress)."""
         ext, _, length = tail
         epoch, s, row = self.mixture.split_ext(ext)
-        lane = self.lanes[s]
         with rngs_preserved(True):
-            item, _ = load_sample(
-                lane.stream,
-                lane.seed,
-                epoch,
-                row,
-                lane.stream.source.read([row])[0],
-                lane.per_sample_rng,
-            )
+            item, _ = self.lanes[s].reopen(epoch, row)
         if len(item) != length:
             raise LedgerError(
                 f"sample {row} of source {self.mixture.names[s]!r} has {len(item)} tokens "
@@ -255,7 +251,10 @@ class MixedDataset(tud.IterableDataset):
         self.workers = workers
         self.batch_size = settings.batch_size
         self.collate_fn = settings.collate_fn
-        self.per_sample_rng = settings.rng == "sample"
+        self.rng = settings.rng
+        # Map-style sources are seeded per sample unless rng="off" (ledger.stream.indexed).
+        maps = any(isinstance(src, IndexedSource) for src in mixture.sources)
+        self.seeds_globals = settings.rng == "sample" or (maps and settings.rng != "off")
         self.skip_errors = settings.on_error == "skip"
         self.digest = settings.digest
         self.start: PipelineState | None = None
@@ -266,14 +265,14 @@ class MixedDataset(tud.IterableDataset):
         start = self.start
         assert start is not None
         g = ((info.id if info is not None else 0) + start.next_worker) % self.workers
-        guard = info is None and self.per_sample_rng
+        guard = info is None and self.seeds_globals
         width = 1 + len(self.mixture.names)
         states = start.workers[g * width : (g + 1) * width]
         lanes = Lanes(self.mixture, self.seed, self.shuffle, self.rank, self.world, self.workers, g)
         with rngs_preserved(guard):
             run = MixedRun(
                 self.mixture, lanes, self.plans[g], states[0], list(states[1:]), start.epoch,
-                self.seed, self.batch_size, self.collate_fn, self.per_sample_rng,
+                self.seed, self.batch_size, self.collate_fn, self.rng,
                 self.skip_errors,
             )  # fmt: skip
             batches = run.batches()
@@ -307,7 +306,7 @@ class MixedReplica:
         self.k = mixer.emitted
         lanes = pipeline.lanes(g)
         self.lanes = [
-            LaneIds(lanes, s, e, pieces, st, buf)
+            lane_ids(lanes, s, e, pieces, st, buf)
             for s, ((e, pieces), st, buf) in enumerate(
                 zip(plan.lanes, lane_states, plan.buffers, strict=True)
             )
@@ -341,7 +340,7 @@ class MixedReplica:
         )
 
     def buffers(self) -> list[list[int]]:
-        return [lane.feed.buffer() for lane in self.lanes]
+        return [lane.buffer() for lane in self.lanes]
 
     def _take(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The next ``n`` mixed samples: ``(extended ids, positions)``."""
@@ -448,20 +447,25 @@ def rebuild_mixed_batch(
     events: Any,
     per_sample_rng: bool,
     collate_fn: Callable[[list[Any]], Any],
+    *,
+    seed_maps: bool = True,
 ) -> Any:
-    """Re-create a logged batch of a mixture of streams from its events.
+    """Re-create a logged batch of a mixture with streams from its events.
 
     Each sample is re-read from its source and transformed as its lane did
     (:func:`ledger.stream.sample.load_sample` with the source's seed and the logged
-    ``source_epoch``); a packed mixture re-packs the logged spans into sequences.
+    ``source_epoch``; a map-style source's ``dataset[i]``,
+    :meth:`ledger.stream.indexed.IndexedSource.load`); a packed mixture re-packs the
+    logged spans into sequences.
 
     Args:
-        mixture: the run's mixture (every source a :class:`ledger.stream.Stream`).
+        mixture: the run's mixture (some source a :class:`ledger.stream.Stream`).
         seed: the run's seed.
         events: the batch's ``sample``/``span`` events in batch order (an Arrow table with
             ``source``, ``source_epoch``, ``sample_id`` and, packed, the span columns).
         per_sample_rng: whether the run seeded the global RNGs per sample.
         collate_fn: the run's collate function (unpacked mixtures).
+        seed_maps: whether the run seeded map-style samples (its ``rng`` not ``"off"``).
 
     Returns:
         The batch as the loader yielded it: ``collate_fn(items)``, or for a packed mixture
@@ -503,9 +507,13 @@ def rebuild_mixed_batch(
         for s in sorted({k[0] for k in keys}):
             stream = mixture.sources[s]
             wanted = sorted({k for k in keys if k[0] == s})
+            sseed = source_seed(seed, mixture.names[s])
+            if isinstance(stream, IndexedSource):
+                for key in wanted:
+                    items[key] = stream.load(sseed, key[1], key[2], seed_maps)[0]
+                continue
             unique = sorted({row for _, _, row in wanted})
             records = dict(zip(unique, stream.source.read(unique), strict=True))
-            sseed = source_seed(seed, mixture.names[s])
             for key in wanted:
                 items[key] = load_sample(
                     stream, sseed, key[1], key[2], records[key[2]], per_sample_rng

@@ -21,7 +21,9 @@ function of the seed and of counters in the worker's state, so nothing random is
    source's epoch is per lane: the lanes of a source go through its epochs at the rate
    their workers draw it, equal on average (equal runs, and every worker takes every
    ``G``-th position), so a small source's lanes may drift a few source epochs apart
-   over a long run; each sample is still served once per epoch of its lane.
+   over a long run; each sample is still served once per epoch of its lane. A map-style
+   source beside streams has lanes of another kind (:mod:`ledger.stream.indexed`): run
+   ``gw`` of its seeded order of each source epoch, read by ``dataset[i]``, no buffer.
 3. **Packing** (all sources with the same :class:`~ledger.stream.Packer`, or none): the
    worker packs its mixed samples as a stream's worker packs its own
    (:mod:`ledger.stream.packing`); its last sequence of a mixture epoch is padded.
@@ -93,11 +95,12 @@ from ledger.errors import ConfigMismatch, LedgerError, LogCorrupted
 from ledger.pipeline import LoaderSettings, phase_record, refuse_phase
 from ledger.schema import BUFFER, ERROR, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
-from ledger.stream.lanes import EMPTY, Lanes, Positions, cut, lane_pieces, source_seed
+from ledger.stream.lanes import EMPTY, Lanes, Positions, cut, source_pieces, source_seed
 from ledger.stream.mixer import MixedDataset, MixedReplica, WorkerPlan
 from ledger.stream.packing import Tail
 from ledger.stream.replica import next_worker
 from ledger.stream.shuffle import Piece
+from ledger.stream.spec import Stream
 from ledger.stream.worker import BatchMeta, identity
 
 if TYPE_CHECKING:
@@ -140,7 +143,8 @@ class MixedStreamPipeline:
     """The pipeline of a :class:`ledger.Mixture` of streams (:class:`ledger.pipeline.Pipeline`).
 
     Args:
-        mixture: the mixture (every source a :class:`ledger.stream.Stream`).
+        mixture: the mixture (some source a :class:`ledger.stream.Stream`, the others
+            map-style datasets wrapped as :class:`ledger.stream.indexed.IndexedSource`).
         settings: the loader's settings (``drop_last`` and ``persistent_workers`` off).
 
     Raises:
@@ -177,7 +181,8 @@ class MixedStreamPipeline:
                 f"{self.world_size * self.k} logical workers: raise epoch_size"
             )
         for s, stream in enumerate(mixture.sources):
-            stream.source.record_digests(self.store, f"data/rowgroups/source={s}")
+            if isinstance(stream, Stream):  # a map-style source has no row groups
+                stream.source.record_digests(self.store, f"data/rowgroups/source={s}")
         self.torch_dataset = MixedDataset(mixture, settings, self.k)
         self.torch_loader = tud.DataLoader(
             self.torch_dataset,
@@ -219,7 +224,8 @@ class MixedStreamPipeline:
     def check_logged(self, logged: dict[str, Any]) -> None:
         entries = logged.get("mixture", {}).get("sources", [])
         for entry, stream in zip(entries, self.mixture.sources, strict=False):
-            stream.source.check(entry.get("stream", {}).get("source", []))
+            if isinstance(stream, Stream):
+                stream.source.check(entry.get("stream", {}).get("source", []))
 
     def batches_per_epoch(self) -> int:
         raise TypeError("a stream mixture's batches per epoch are not known in advance")
@@ -250,8 +256,8 @@ class MixedStreamPipeline:
                 return by_worker.get(rank * workers + g, ([], []))[0]
         stream = self.mixture.sources[s]
         seed = source_seed(self.seed, self.mixture.names[s])
-        return lane_pieces(
-            stream.source, seed, epoch, self.settings.shuffle, world * workers, rank * workers + g
+        return source_pieces(
+            stream, seed, epoch, self.settings.shuffle, world * workers, rank * workers + g
         )
 
     def _positions(
