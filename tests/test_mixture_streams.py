@@ -792,3 +792,56 @@ def test_materialize_re_creates_a_batch_with_a_map_style_source(sources, root, p
         made = materialize(root, b, mixed(sources, packing), collate_fn=collate)
         assert made.matches and made.digest == batch_digest(got), b
         assert batches_equal(made.data, got), b
+
+
+class FlakyDocs(Docs):
+    """Docs whose items at :data:`BAD_CODE` raise."""
+
+    def __getitem__(self, i: int):
+        if i in BAD_CODE:
+            raise ValueError(f"bad doc {i}")
+        return super().__getitem__(i)
+
+
+def test_a_map_style_source_beside_a_stream_leaves_out_bad_samples_exactly(sources, root) -> None:
+    """on_error="skip": a map-style sample that raises keeps its position and is logged as
+    an error with its source, index and source epoch; resume is exact; batches re-created."""
+    import json
+
+    from ledger.audit.queries import materialize
+
+    def make(at: str) -> ledger.DataLoader:
+        mix = Mixture(
+            {"code": FlakyDocs(sum(CODE_ROWS), False), "prose": Stream(sources[1])},
+            weights={"code": 0.6, "prose": 0.4},
+        )
+        return ledger.DataLoader(
+            mix, batch_size=3, shuffle=True, seed=5, num_workers=2, log=at, collate_fn=texts,
+            on_error="skip",
+        )  # fmt: skip
+
+    assert assert_resume_exact(lambda: make(root), batches=20, every=1, resume_at=[6, 15]) == 2
+    own = os.path.join(root, "own")
+    run = make(own)
+    got = list(take(run, 20))
+    run.state_dict()
+    assert not [t for b in got for t in b if t.startswith("doc") and int(t.split()[1]) in BAD_CODE]
+    con = connect(own)
+    errors = con.execute(
+        "SELECT batch, epoch, position, CAST(source AS VARCHAR), sample_id, source_epoch, value "
+        "FROM lineage WHERE kind = 'error'"
+    ).fetchall()
+    firsts = con.execute("SELECT epoch, position FROM lineage WHERE kind = 'sample'").fetchall()
+    con.close()
+    assert errors and {(r[3], r[4]) for r in errors} == {("code", b) for b in BAD_CODE}
+    assert all(r[5] is not None and json.loads(r[6])["type"] == "ValueError" for r in errors)
+    placed = firsts + [(r[1], r[2]) for r in errors]
+    assert len(set(placed)) == len(placed)
+    assert sorted(p for e, p in placed if e == 0) == list(range(EPOCH))
+    b = int(errors[0][0])
+    mix = Mixture(
+        {"code": FlakyDocs(sum(CODE_ROWS), False), "prose": Stream(sources[1])},
+        weights={"code": 0.6, "prose": 0.4},
+    )
+    made = materialize(own, b, mix, collate_fn=texts)
+    assert made.matches and batches_equal(made.data, got[b])
