@@ -845,3 +845,49 @@ def test_a_map_style_source_beside_a_stream_leaves_out_bad_samples_exactly(sourc
     )
     made = materialize(own, b, mix, collate_fn=texts)
     assert made.matches and batches_equal(made.data, got[b])
+
+
+class BatchedDocs(Docs):
+    """Docs with a batched ``__getitems__`` (as HF ``datasets``) that counts its calls."""
+
+    def __init__(self, n: int, packing: bool) -> None:
+        super().__init__(n, packing)
+        self.calls: list[int] = []
+
+    def __getitem__(self, i: int):
+        return {"text": f"doc {i}"}
+
+    def __getitems__(self, ids: list[int]) -> list:
+        self.calls.append(len(ids))
+        return [{"text": f"doc {i}"} for i in ids]
+
+
+def test_a_batched_map_style_source_is_fetched_many_at_a_time_with_rng_off(sources, root) -> None:
+    """rng="off": one __getitems__ call fetches the lane's next indices; the batches are
+    those of dataset[i] one at a time (re-created so), and resume is exact."""
+    docs = BatchedDocs(sum(CODE_ROWS), False)
+
+    def make(dataset=docs, at: str = root) -> ledger.DataLoader:
+        mix = Mixture(
+            {"code": dataset, "prose": Stream(sources[1])}, weights={"code": 0.6, "prose": 0.4}
+        )
+        return ledger.DataLoader(
+            mix, batch_size=3, shuffle=True, seed=5, log=at, collate_fn=texts, rng="off"
+        )
+
+    got = list(take(make(at=os.path.join(root, "first")), 20))
+    code = sum(1 for b in got for t in b if t.startswith("doc"))
+    assert docs.calls and len(docs.calls) < code  # many samples a call
+    assert assert_resume_exact(make, batches=20, every=1, resume_at=[5, 14]) == 2
+
+    class Plain:  # the same documents without __getitems__
+        def __len__(self) -> int:
+            return docs.n
+
+        def __getitem__(self, i: int):
+            return {"text": f"doc {i}"}
+
+    plain = os.path.join(root, "plain")
+    assert all(
+        batches_equal(a, b) for a, b in zip(take(make(Plain(), plain), 20), got, strict=True)
+    )

@@ -22,7 +22,11 @@ design); only what a lane reads differs:
   ``(source seed, source epoch, i)`` (:func:`ledger.order.sample_seed`), so a sample's
   draws do not depend on the worker, the batch nor the shape; ``"off"`` seeds nothing.
   In a packed mixture an item is a 1-D sequence of token ids (EOS appended, as a
-  stream's transform output is).
+  stream's transform output is). A dataset with a batched ``__getitems__`` (HF
+  ``datasets``) is fetched :data:`_AHEAD` indices a call when ``rng="off"`` (nothing is
+  seeded, so one call for many samples gives each the same item); a call that raises
+  is redone one ``dataset[i]`` at a time, so a bad sample fails where it is reached.
+  Seeded, ``dataset[i]`` one at a time keeps each sample's draws its own.
 
 The lane's :class:`~ledger.commits.WorkerState` has a stream lane's fields: ``worker``
 the source epoch, ``shard`` the index of the piece being read, ``row`` the next position
@@ -39,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ledger.commits import WorkerState
-from ledger.fetch import failure_of
+from ledger.fetch import batch_getter, failure_of
 from ledger.order import EpochOrder, sample_seed, seed_globals
 from ledger.stream.packing import Packer
 from ledger.stream.shuffle import Piece, skip_empty
@@ -89,13 +93,17 @@ class IndexedSource:
         """
         if seeded:
             seed_globals(sample_seed(seed, epoch, index))
-        item = self.dataset[index]
-        if self.packer is not None:
-            tokens = np.asarray(item, dtype=np.int64).reshape(-1)
-            item = np.empty(tokens.size + 1, np.int64)
-            item[:-1] = tokens
-            item[-1] = self.packer.eos_id
-        return item, None
+        return self.finish(self.dataset[index]), None
+
+    def finish(self, item: Any) -> Any:
+        """A loaded item as the mixture serves it: packed, ``int64`` tokens + EOS."""
+        if self.packer is None:
+            return item
+        tokens = np.asarray(item, dtype=np.int64).reshape(-1)
+        out = np.empty(tokens.size + 1, np.int64)
+        out[:-1] = tokens
+        out[-1] = self.packer.eos_id
+        return out
 
 
 class IndexCursor:
@@ -230,7 +238,22 @@ class IndexFeed:
         self.cursor = IndexCursor(
             self.source, self.seed, lanes.shuffle, pieces, state.shard, state.row
         )
-        self._ahead: deque[int] = deque()
+        # (index, loaded item or None: load it when reached)
+        self._ahead: deque[tuple[int, Any]] = deque()
+        self._getitems = None if seeded else batch_getter(self.source.dataset)
+
+    def _fetch(self, ids: list[int]) -> list[Any]:
+        """Items of ``ids`` by one ``__getitems__`` call, or ``None`` each (no batched
+        fetch, or it raised: each is then loaded alone when reached)."""
+        if self._getitems is None:
+            return [None] * len(ids)
+        try:
+            items = list(self._getitems(ids))
+        except Exception:
+            return [None] * len(ids)
+        if len(items) != len(ids):
+            return [None] * len(ids)
+        return [self.source.finish(item) for item in items]
 
     def reopen(self, epoch: int, index: int) -> tuple[Any, str | None]:
         """A sample begun before (a packed tail), loaded again with its own seed."""
@@ -242,7 +265,7 @@ class IndexFeed:
         while not self._ahead:
             got = self.cursor.take(_AHEAD)
             if got.size:
-                self._ahead.extend(got.tolist())
+                self._ahead.extend(zip(got.tolist(), self._fetch(got.tolist()), strict=True))
                 break
             fruitless += 1
             if fruitless > 2:
@@ -251,7 +274,9 @@ class IndexFeed:
             self.cursor = IndexCursor(
                 self.source, self.seed, self.lanes.shuffle, self.lanes.fresh(self.s, self.epoch)
             )
-        index = self._ahead.popleft()
+        index, item = self._ahead.popleft()
+        if item is not None:
+            return index, (item, None)
         try:
             return index, self.source.load(self.seed, self.epoch, index, self.seeded)
         except Exception as e:
