@@ -703,12 +703,11 @@ class DataLoader:
         token = _check_token(state_dict)
         self._token_commits = {}  # the token's commit, read once (markers are immutable)
         moved = _normal_root(token["root"]) != self._ledger.root
-        self._check_run(token, moved)
-        store = self._ledger.store
+        run = self._check_run(token, moved)
         phase = None
-        if store.exists("run.json"):
+        if run is not None:
             # Before the generic config check: e.g. name the first shard that changed.
-            logged = read_run(store)["config"]
+            logged = run["config"]
             self._pipeline.check_logged(logged)
             phase = self._phase(token, moved, logged, new_phase)
         self._ledger.enter_phase(phase)
@@ -795,8 +794,9 @@ class DataLoader:
         )  # fmt: skip
         return phase
 
-    def _check_run(self, token: dict[str, Any], moved: bool) -> None:
-        """Refuse a token of another run, before anything is written to this root.
+    def _check_run(self, token: dict[str, Any], moved: bool) -> dict[str, Any] | None:
+        """Refuse a token of another run, before anything is written to this root; return
+        the root's ``run.json`` (``None``: the root holds no run yet).
 
         A token written to another root resumes here when this root holds its run: a log
         copied, mounted at another path or moved to another bucket keeps its run id and
@@ -806,9 +806,10 @@ class DataLoader:
             WrongRoot: if this root holds another run, or (moved) no run.
         """
         store = self._ledger.store
-        here = read_run(store)["run_id"] if store.exists("run.json") else None
+        run = read_run(store) if store.exists("run.json") else None
+        here = run["run_id"] if run is not None else None
         if here == token["run_id"] or (here is None and not moved):
-            return
+            return run
         if not moved:
             raise WrongRoot(
                 f"the token belongs to run {token['run_id']}, but {self._ledger.root} holds "

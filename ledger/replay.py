@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from ledger import segments
 from ledger.commits import (
@@ -67,7 +68,7 @@ def _strings(column: pa.ChunkedArray) -> np.ndarray:
     return np.asarray(column.to_pylist(), dtype=object)
 
 
-def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
+def _last_batch(store: Store, ref: SegmentRef) -> tuple[pa.Table, Callable[[], None]]:
     """The positions the last batch of a segment took, reading only its tail: its
     ``sample`` events and its ``error`` events (samples left out, ``on_error="skip"``),
     or the ``rollback`` events of a batch skipped on purpose; by position.
@@ -77,8 +78,23 @@ def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
     say which without decoding, and writers put the final batch in a row group of its
     own (:func:`ledger.segments.encode`), so a resume decodes a few hundred rows. Without
     statistics, groups are decoded from the end until one starts with an earlier batch.
+
+    Returns:
+        ``(rows, confirm)``: the segment's SHA-256 is checked on a background thread
+        (:func:`ledger.segments.open_segment_checked_later`); call ``confirm()`` before
+        trusting the rows (it raises :class:`LogCorrupted` for an altered file).
     """
-    pf = segments.open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256)
+    pf, confirm = segments.open_segment_checked_later(
+        store, ref.path, rows=ref.rows, checksum=ref.sha256
+    )
+    try:
+        return _tail_rows(pf, ref), confirm
+    except Exception:
+        confirm()  # an altered file is named as such, whatever reading it raised
+        raise
+
+
+def _tail_rows(pf: pq.ParquetFile, ref: SegmentRef) -> pa.Table:
     columns = ["epoch", "batch", "position", "sample_id", "kind"]
     schema = pf.schema_arrow  # converted from the Parquet schema on every access
     batch_column = schema.get_field_index("batch")
@@ -107,7 +123,7 @@ def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
     batches = table["batch"].to_numpy()
     first = int(np.searchsorted(batches, last, side="left"))
     table = table.slice(first)  # batch indexes never decrease within a segment
-    took = np.isin(_strings(table["kind"]), [SAMPLE, ERROR, ROLLBACK])
+    took = _kind_in(table["kind"], (SAMPLE, ERROR, ROLLBACK))
     if not took.all():
         table = table.filter(pa.array(took))
     positions = table["position"].to_numpy()
@@ -116,6 +132,18 @@ def _last_batch(store: Store, ref: SegmentRef) -> pa.Table:
     if table.num_rows == 0:
         raise LogCorrupted(f"segment {ref.path} ends with batch {last} but holds no sample of it")
     return table
+
+
+def _kind_in(column: pa.ChunkedArray, kinds: tuple[str, ...]) -> np.ndarray:
+    """Whether each row's kind is one of ``kinds``, as a ``bool`` array: on the
+    dictionary's codes (an object array of strings costs ~10x more to compare)."""
+    if not pa.types.is_dictionary(column.type):
+        return np.isin(_strings(column), kinds)
+    parts = []
+    for chunk in column.chunks:
+        wanted = np.isin(np.asarray(chunk.dictionary.to_pylist(), dtype=object), kinds)
+        parts.append(wanted[chunk.indices.to_numpy(zero_copy_only=False)])
+    return np.concatenate(parts) if parts else np.zeros(0, np.bool_)
 
 
 def advance(state: PipelineState, plan: BatchPlan) -> PipelineState:
@@ -187,7 +215,28 @@ def replay(
             )
         return folded
 
-    rows = _last_batch(store, ref)
+    rows, confirm = _last_batch(store, ref)
+    try:
+        folded = _fold_last_batch(head, plan, order_for, ids_of, rows)
+    except Exception:
+        confirm()  # an altered segment is named as such, not as a mismatch
+        raise
+    confirm()
+    return folded
+
+
+def _fold_last_batch(
+    head: Commit,
+    plan: BatchPlan,
+    order_for: Callable[[int], Order],
+    ids_of: Callable[[pa.Table], np.ndarray],
+    rows: pa.Table,
+) -> PipelineState:
+    """The rank's state after the last batch ``rows`` of its newest segment, checked
+    against the marker's record and the resuming loader's order and plan (see
+    :func:`replay`)."""
+    rank = plan.rank
+    recorded = head.state(rank)
     epoch = int(rows["epoch"][0].as_py())
     positions = rows["position"].to_numpy()
     ids = ids_of(rows)
