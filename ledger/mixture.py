@@ -58,6 +58,7 @@ MIX_ALGORITHM = "block-largest-remainder-feistel-v1"
 """Name of the construction above, recorded in ``run.json``."""
 
 _MIX_KEY = 0x4D4958  # "MIX": keys the block permutations apart from the epoch orders
+_BEFORE_KEY = 0x424546  # "BEF": a phase's blocks extended backward from its start
 
 
 class Schedule:
@@ -355,8 +356,15 @@ class Mixture:
         positions = np.asarray(positions, np.int64)
         out = np.empty(positions.size, np.int64)
         for phase, rows in self._phase_rows(positions):
-            if rows.size:
-                out[rows] = phase.locate(seed, positions[rows])[0]
+            if not rows.size:
+                continue
+            src = phase.locate(seed, positions[rows])[0]
+            if phase.remap is not None:  # an earlier phase with other sources
+                src = phase.remap[src]
+                gone = np.flatnonzero(src < 0)  # of a source removed since: see Phase
+                if gone.size:
+                    src[gone] = self.phases[-1].sources_before(seed, positions[rows[gone]])
+            out[rows] = src
         return out
 
 
@@ -392,18 +400,24 @@ class Phase:
         self.number = number
         # Phase 0's blocks keep the key they had before phases existed.
         self.key_parts = (_MIX_KEY,) if number == 0 else (_MIX_KEY, number, self.start)
-        self._blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.remap: np.ndarray | None = None
+        """``int64 (sources,)``: for a phase whose sources are not the mixture's (a later
+        phase added or removed some; :mod:`ledger.stream.mixing`), the mixture's index of
+        each of its sources, ``-1`` for one removed; ``None``: the same sources."""
+        self._blocks: dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray]] = {}
 
-    def _block(self, seed: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    def _block(self, seed: int, block: int, before: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """``(source of each offset int64 (BLOCK,), index among the block's positions of
-        that source int64 (BLOCK,))`` of one block of the phase."""
-        key = (seed, block)
+        that source int64 (BLOCK,))`` of one block of the phase (``before``: of the
+        ``block``-th block of its first piece extended backward from its start)."""
+        key = (seed, block, before)
         found = self._blocks.get(key)
         if found is not None:
             return found
-        piece = int(np.searchsorted(self.first_block, block, side="right")) - 1
+        piece = 0 if before else int(np.searchsorted(self.first_block, block, side="right")) - 1
         bounds = np.concatenate([[0], np.cumsum(self.counts[piece])])
-        order = EpochOrder(BLOCK, derive_key(seed, *self.key_parts), block, True)
+        parts = (*self.key_parts, _BEFORE_KEY) if before else self.key_parts
+        order = EpochOrder(BLOCK, derive_key(seed, *parts), block, True)
         src = np.searchsorted(bounds, order.range(0, BLOCK), side="right") - 1
         k = np.empty(BLOCK, np.int64)
         for s in range(self.counts.shape[1]):
@@ -433,6 +447,19 @@ class Phase:
             src[rows] = block_src[offsets[rows]]
             k[rows] = block_k[offsets[rows]]
         return src, self.base[src] + self._before(unique)[inverse, src] + k
+
+    def sources_before(self, seed: int, positions: np.ndarray) -> np.ndarray:
+        """Source (``int64``) of global positions below ``start`` by the phase's first
+        piece extended backward: position ``start - 1 - d`` is offset ``d % BLOCK`` of
+        backward block ``d // BLOCK`` (blocks keyed apart from the phase's own). A stream
+        mixture's position that an earlier phase gave a source this phase removed, and
+        that no worker had served when it began, takes its source from here."""
+        blocks, offsets = np.divmod(self.start - 1 - np.asarray(positions, np.int64), BLOCK)
+        out = np.empty(blocks.size, np.int64)
+        for b in np.unique(blocks).tolist():
+            rows = np.flatnonzero(blocks == b)
+            out[rows] = self._block(seed, b, True)[0][offsets[rows]]
+        return out
 
     def counts_before(self, seed: int, position: int) -> np.ndarray:
         """``int64 (sources,)``: positions each source was given before ``position``

@@ -244,7 +244,9 @@ def test_a_stream_mixture_refuses_what_it_cannot_mix(sources) -> None:
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_a_new_phase_changes_the_batch_size_and_refuses_new_sources(sources, root, packing) -> None:
+def test_a_new_phase_changes_the_batch_size_and_refuses_a_changed_kept_source(
+    sources, root, packing
+) -> None:
     from ledger.errors import ConfigMismatch
 
     def make(batch_size: int, weights=None) -> ledger.DataLoader:
@@ -271,14 +273,29 @@ def test_a_new_phase_changes_the_batch_size_and_refuses_new_sources(sources, roo
     wider.load_state_dict(token, new_phase=True)
     got = rows(list(take(wider, 14)))  # an epoch's last batch may be short
     assert len(got) >= len(reference) and got[: len(reference)] == reference
+    # A source kept by name keeps its stream (here: another shuffle buffer), and sources
+    # change at the run's shape (here: with workers where the run had none).
     code, prose = sources
+    packer = Packer(seq_len=8) if packing else None
+    transform = tokenize if packing else None
     other = Mixture(
-        {"code": Stream(code, shuffle_buffer=3), "web": Stream(prose, shuffle_buffer=4)},
-        weights={"code": 0.6, "web": 0.4},
+        {
+            "code": Stream(code, transform=transform, shuffle_buffer=5, packer=packer),
+            "prose": Stream(prose, transform=transform, shuffle_buffer=4, packer=packer),
+        },
+        weights={"code": 0.6, "prose": 0.4},
     )
-    renamed = ledger.DataLoader(other, batch_size=3, seed=5, log=root, collate_fn=texts)
-    with pytest.raises(ConfigMismatch, match="not its sources"):
-        renamed.load_state_dict(token, new_phase=True)
+    changed = ledger.DataLoader(other, batch_size=3, seed=5, log=root, collate_fn=texts)
+    with pytest.raises(ConfigMismatch, match="mixture source 'code'"):
+        changed.load_state_dict(token, new_phase=True)
+    fewer = Mixture(
+        {"code": Stream(code, transform=transform, shuffle_buffer=3, packer=packer)},
+        weights={"code": 1.0},
+        epoch_size=EPOCH,
+    )
+    wider = ledger.DataLoader(fewer, batch_size=3, seed=5, log=root, num_workers=2)
+    with pytest.raises(ConfigMismatch, match="world_size and num_workers"):
+        wider.load_state_dict(token, new_phase=True)
 
 
 def test_a_rollback_skip_of_a_stream_mixture_is_exact_and_names_sources(sources, root) -> None:
@@ -891,3 +908,186 @@ def test_a_batched_map_style_source_is_fetched_many_at_a_time_with_rng_off(sourc
     assert all(
         batches_equal(a, b) for a, b in zip(take(make(Plain(), plain), 20), got, strict=True)
     )
+
+
+WEB_ROWS = (7, 5, 6)  # the source a new phase adds
+
+
+def _changed(tmp_path, sources, packing: bool, weights: dict[str, float]) -> Mixture:
+    """``code`` kept, ``prose`` removed, ``web`` added (the epoch size kept)."""
+    code, _ = sources
+    web = ShardedSource(str(tmp_path / "web" / "*.parquet"))
+    packer = Packer(seq_len=8) if packing else None
+    transform = tokenize if packing else None
+    return Mixture(
+        {
+            "code": Stream(code, transform=transform, shuffle_buffer=3, packer=packer),
+            "web": Stream(web, transform=transform, shuffle_buffer=2, packer=packer),
+        },
+        weights=weights,
+        epoch_size=EPOCH,
+    )
+
+
+def _lanes(root: str, source: str) -> dict[int, list[tuple[int, int]]]:
+    """Each logical worker's ``(source epoch, row)`` of ``source``, in the order served."""
+    con = connect(root)
+    rows = con.execute(
+        f"""SELECT worker, source_epoch, sample_id FROM lineage
+        WHERE kind = 'sample' AND CAST(source AS VARCHAR) = '{source}'
+        ORDER BY epoch, position"""
+    ).fetchall()
+    con.close()
+    out: dict[int, list[tuple[int, int]]] = {}
+    for w, e, i in rows:
+        out.setdefault(int(w), []).append((int(e), int(i)))
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_new_phase_adds_and_removes_stream_sources(tmp_path, sources, workers) -> None:
+    from ledger.commits import list_commits, phase_of
+    from ledger.errors import ConfigMismatch
+    from ledger.mixture import Phase
+    from ledger.store import Store
+
+    _write(tmp_path, "web", WEB_ROWS)
+    new = {"code": 0.5, "web": 0.5}
+    root = str(tmp_path / "log")
+
+    def make(mix: Mixture, at: str = root, batch_size: int = 3) -> ledger.DataLoader:
+        return ledger.DataLoader(
+            mix, batch_size=batch_size, shuffle=True, seed=5, num_workers=workers, log=at,
+            collate_fn=texts,
+        )  # fmt: skip
+
+    first = make(mixture(sources, False))
+    before = list(take(first, 5))
+    boundary = first.state_dict()
+    with pytest.raises(ConfigMismatch, match="mixture"):  # without new_phase: refused
+        make(_changed(tmp_path, sources, False, new)).load_state_dict(boundary)
+
+    def phased() -> ledger.DataLoader:
+        current = make(_changed(tmp_path, sources, False, new), batch_size=4)
+        current.load_state_dict(boundary, new_phase=True)
+        return current
+
+    # Exact resume at any batch of the phase (each resume without new_phase: the phase's
+    # own configuration), and the phase itself the same at every start from the boundary.
+    at = None if workers == 0 else [1, 4, 9]
+    assert assert_resume_exact(phased, batches=14, every=1, resume_at=at) == (
+        14 if at is None else 3
+    )
+    after = list(take(phased(), 14))
+    assert not any(t.startswith("web") for b in before for t in b)
+    assert not any(t.startswith("prose") for b in after for t in b)
+    assert any(t.startswith("web") for b in after for t in b)
+    store = Store(root)
+    head = max(list_commits(store), key=lambda c: (c.attempt, c.step))
+    phase = phase_of(store, head)
+    assert phase is not None and phase["number"] == 1
+    assert phase["mix"]["names"] == ["code", "web"]
+    assert phase["earlier"][0]["names"] == ["code", "prose"]
+    start = int(phase["start"])
+    # Lanes by name: code's lanes go on where they stood (the uninterrupted old run's
+    # rows of code, per worker), web's start at its epoch 0, row 0 (a run of the new
+    # mixture from the start serves the same rows of web, per worker).
+    old_run, new_run = str(tmp_path / "old"), str(tmp_path / "new")
+    served(make(mixture(sources, False), old_run), 40)
+    served(make(_changed(tmp_path, sources, False, new), new_run), 40)
+    for name, reference in (("code", old_run), ("web", new_run)):
+        got, want = _lanes(root, name), _lanes(reference, name)
+        assert sorted(got) == list(range(max(workers, 1))), name
+        for w, ids in got.items():
+            assert len(ids) > 3 and ids == want[w][: len(ids)], (name, w)
+    # Every position once; below the start the old weights' sources (a position of the
+    # removed prose left to a lagging worker: the new phase's, extended backward), from
+    # it the new weights'.
+    con = connect(root)
+    rows = con.execute(
+        f"SELECT epoch * {EPOCH} + position, CAST(source AS VARCHAR), batch FROM lineage "
+        "WHERE kind = 'sample'"
+    ).fetchall()
+    con.close()
+    positions = np.array([r[0] for r in rows], np.int64)
+    assert len(set(positions.tolist())) == len(rows)
+    assert set(range(start)) <= set(positions.tolist())
+    # Below the start a position keeps its old source (the old weights'), except one of
+    # the removed prose that a lagging worker serves after the boundary: its source is
+    # the new phase's, extended backward from the start.
+    was, now = mixture(sources, False), _changed(tmp_path, sources, False, new)
+    phase1 = Phase(start, np.array(phase["base"]), now.counts, now.schedule.starts, 1)
+    want = []
+    replaced = 0
+    for p, _, batch in rows:
+        here = np.array([p], np.int64)
+        if p >= start:
+            want.append(now.names[int(phase1.locate(5, here)[0][0])])
+        elif was.names[int(was.sources_at(5, here)[0])] == "code" or batch < len(before):
+            want.append(was.names[int(was.sources_at(5, here)[0])])
+        else:
+            want.append(now.names[int(phase1.sources_before(5, here)[0])])
+            replaced += 1
+    assert [r[1] for r in rows] == want
+    assert replaced == (2 if workers else 0)  # one logical worker never lags
+    out = CliRunner().invoke(main, ["audit", root, "--check", "mixture", "--check", "coverage"])
+    assert out.exit_code == 0, out.output
+    assert "in each of 2" in out.output, out.output  # per phase
+
+
+@pytest.mark.parametrize("cut_in", ["prose", "code"])
+def test_a_new_phase_drops_the_rest_of_a_removed_sources_packed_sample(
+    tmp_path, sources, cut_in
+) -> None:
+    _write(tmp_path, "web", WEB_ROWS)
+    new = {"code": 0.3, "web": 0.7}
+    root = str(tmp_path / "log")
+
+    def make(mix: Mixture) -> ledger.DataLoader:
+        return ledger.DataLoader(mix, batch_size=2, shuffle=True, seed=5, log=root)
+
+    def last_span() -> tuple:
+        con = connect(root)
+        row = con.execute(
+            f"""SELECT CAST(source AS VARCHAR), epoch * {EPOCH} + position, token_end, length,
+            source_epoch FROM lineage WHERE kind = 'span' ORDER BY 2 DESC, token_end DESC LIMIT 1"""
+        ).fetchone()
+        con.close()
+        return row
+
+    # Stop where the packer is in the middle of a sample of the removed prose, or of the
+    # kept code in its second epoch (its id is written anew for the new sources).
+    first = make(mixture(sources, True))
+    for _ in range(30):
+        list(take(first, 1))
+        boundary = first.state_dict()
+        name, cut, end, length, source_epoch = last_span()
+        if name == cut_in and end < length and (name == "prose" or source_epoch > 0):
+            break
+    assert name == cut_in and end < length
+
+    def phased() -> ledger.DataLoader:
+        current = make(_changed(tmp_path, sources, True, new))
+        current.load_state_dict(boundary, new_phase=True)
+        return current
+
+    assert assert_resume_exact(phased, batches=10, every=1) == 10
+    con = connect(root)
+    rows = con.execute(
+        f"""SELECT epoch * {EPOCH} + position, CAST(source AS VARCHAR), token_start, token_end,
+        length FROM lineage WHERE kind = 'span' ORDER BY 1, 3"""
+    ).fetchall()
+    con.close()
+    spans: dict[int, list[tuple]] = {}
+    for p, name, a, b, n in rows:
+        spans.setdefault(p, []).append((name, a, b, n))
+    last = max(spans)
+    short = [p for p, parts in spans.items() if parts[-1][2] < parts[-1][3] and p != last]
+    # A prose sample in progress at the boundary ends there: its rest was dropped with its
+    # source; every other sample (a code one begun before) is packed whole, once.
+    assert short == ([cut] if cut_in == "prose" else [])
+    for p, parts in spans.items():
+        assert parts[0][1] == 0 and all(x[2] == y[1] for x, y in pairwise(parts)), p
+    assert not any(parts[0][0] == "prose" for p, parts in spans.items() if p > cut)
+    out = CliRunner().invoke(main, ["audit", root, "--check", "mixture", "--check", "coverage"])
+    assert out.exit_code == 0, out.output

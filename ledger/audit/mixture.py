@@ -122,6 +122,20 @@ def _counts(
     ).fetchall()
 
 
+def _serving(cuts: list[Piece], piece: int, source: str) -> int:
+    """The piece whose targets count a sample of ``source`` at a position of ``piece``:
+    that piece, or for a source its phase does not have, the first piece of the next
+    phase that has it (a stream mixture's position below a new phase's start that the
+    phase took from a removed source and served by its own: :mod:`ledger.stream.mixing`)."""
+    at = piece
+    while source not in cuts[at].targets:
+        later = [i for i in range(at + 1, len(cuts)) if cuts[i].phase != cuts[at].phase]
+        if not later:
+            return piece
+        at = later[0]
+    return at
+
+
 def _shares(
     names: list[str], cuts: list[Piece], per_piece: dict[int, dict[str, int]]
 ) -> list[SourceShare]:
@@ -168,7 +182,9 @@ def source_shares(
     names = _names(config, [n for c in cuts for n in c.targets])
     per_piece: dict[int, dict[str, int]] = {}
     for piece, source, n in _counts(con, int(mixture["epoch_size"]), cuts):
-        per_piece.setdefault(int(piece), {})[str(source)] = int(n)
+        at = _serving(cuts, int(piece), str(source))
+        c = per_piece.setdefault(at, {})
+        c[str(source)] = c.get(str(source), 0) + int(n)
     by_phase: dict[int, dict[int, dict[str, int]]] = {}
     for piece, c in per_piece.items():
         by_phase.setdefault(cuts[piece].phase, {})[piece] = c

@@ -40,16 +40,21 @@ function of the seed and of counters in the worker's state, so nothing random is
    of the new shape.
 
 5. **Phases** (``load_state_dict(token, new_phase=True)``) may change the weights or
-   schedule and the batch size, not the sources. A phase that changes the weights starts
+   schedule, the sources and the batch size. A phase that changes the weights starts
    at one global position ``S = epoch * epoch_size + position``: the largest next
    position of any logical worker at the commit resumed (each worker's from its own
    state), which no worker has reached. Below ``S`` a position keeps the earlier phases'
    source (a lagging worker still serves some), from ``S`` on the new schedule's, its
    boundaries counted from ``S`` (:class:`ledger.mixture.Phase`, as for map-style
    mixtures); lanes and packers go on where they stood. The attempt record's phase holds
-   ``mix`` (the phase's ``number``, ``start``, ``base``) and ``earlier`` (every earlier
-   phase's, with its schedule), so later resumes and the audits (which classify positions
-   by phase start) see the same sources.
+   ``mix`` (the phase's ``number``, ``start``, ``base``, ``names``) and ``earlier`` (every
+   earlier phase's, with its schedule and source names), so later resumes and the audits
+   (which classify positions by phase start) see the same sources. Sources are matched by
+   name: a kept source's lanes go on where they stood, a new one's start at its epoch 0,
+   a removed one's are dropped (with the rest of a sample of it a packer had begun), and
+   a position below ``S`` of a removed source that a lagging worker has yet to serve
+   takes the new phase's source extended backward from ``S``
+   (:meth:`ledger.mixture.Phase.sources_before`; see :meth:`MixedStreamPipeline.new_phase`).
 
 6. **Bad samples** (``on_error="skip"``): a sample whose transform raises takes its
    position and its lane's next id as any other (the ids never depend on the data), and
@@ -80,8 +85,10 @@ batches a packed mixture yields name samples by *flat id*, ``offsets[source] + r
 
 from __future__ import annotations
 
+import re
+import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -180,9 +187,11 @@ class MixedStreamPipeline:
                 f"a mixture epoch of {mixture.epoch_size} positions cannot feed "
                 f"{self.world_size * self.k} logical workers: raise epoch_size"
             )
-        for s, stream in enumerate(mixture.sources):
+        for name, stream in zip(mixture.names, mixture.sources, strict=True):
             if isinstance(stream, Stream):  # a map-style source has no row groups
-                stream.source.record_digests(self.store, f"data/rowgroups/source={s}")
+                # By name: a new phase may add or remove sources, which moves the others.
+                folder = f"data/rowgroups/source={_folder(name)}"
+                stream.source.record_digests(self.store, folder)
         self.torch_dataset = MixedDataset(mixture, settings, self.k)
         self.torch_loader = tud.DataLoader(
             self.torch_dataset,
@@ -196,6 +205,8 @@ class MixedStreamPipeline:
         self._reshapes: dict[tuple[str, int, int], Reshape] = {}
         self._mixers: list[WorkerState] = []
         self._lane_states: list[list[WorkerState]] = []
+        # Commit id -> (source names, rows) at it, for a new phase with other sources.
+        self._was: dict[str, tuple[tuple[str, ...], list[int]]] = {}
 
     # ------------------------------------------------------------------ config
 
@@ -222,9 +233,10 @@ class MixedStreamPipeline:
         }
 
     def check_logged(self, logged: dict[str, Any]) -> None:
-        entries = logged.get("mixture", {}).get("sources", [])
-        for entry, stream in zip(entries, self.mixture.sources, strict=False):
-            if isinstance(stream, Stream):
+        entries = {e.get("name"): e for e in logged.get("mixture", {}).get("sources", [])}
+        for name, stream in zip(self.mixture.names, self.mixture.sources, strict=True):
+            entry = entries.get(name)  # a source a later phase added is not in run.json
+            if entry is not None and isinstance(stream, Stream):
                 stream.source.check(entry.get("stream", {}).get("source", []))
 
     def batches_per_epoch(self) -> int:
@@ -409,7 +421,11 @@ class MixedStreamPipeline:
                 out[(st.rank, g, s)] = ids
         return out
 
-    def _read_buffers(self, ref: Any, batch: int) -> dict[tuple[int, int], list[int]]:
+    def _read_buffers(
+        self, ref: Any, batch: int, names: tuple[str, ...] | None = None
+    ) -> dict[tuple[int, int], list[int]]:
+        """Lane buffers in a segment at ``batch``: ``(worker, source) -> ids`` in slot
+        order, sources by their place in ``names`` (default: the mixture's)."""
         table = segments.read(
             self.store,
             ref.path,
@@ -419,7 +435,7 @@ class MixedStreamPipeline:
         )
         table = table.filter(pc.equal(table["kind"].cast(pa.string()), BUFFER))
         table = table.filter(pc.equal(table["batch"], batch))
-        index = {name: i for i, name in enumerate(self.mixture.names)}
+        index = {name: i for i, name in enumerate(names or self.mixture.names)}
         out: dict[tuple[int, int], list[tuple[int, int]]] = {}
         names = table["source"].cast(pa.string()).to_pylist()
         for w, name, slot, sid in zip(
@@ -611,14 +627,23 @@ class MixedStreamPipeline:
             own = Phase(0, zero, self.mixture.counts, self.mixture.schedule.starts)
             self.mixture.enter_phase([own])
             return
-        phases = [_phase_of(ph, ph["schedule"], names) for ph in phase["earlier"]]
-        phases.append(_phase_of(phase["mix"], phase["config"]["mixture"]["schedule"], names))
+
+        def named(record: dict[str, Any], schedule: list[list[Any]]) -> Phase:
+            own = tuple(record.get("names", names))  # recorded since sources can change
+            ph = _phase_of(record, schedule, own)
+            if own != names:
+                index = {name: i for i, name in enumerate(names)}
+                ph.remap = np.array([index.get(name, -1) for name in own], np.int64)
+            return ph
+
+        phases = [named(ph, ph["schedule"]) for ph in phase["earlier"]]
+        phases.append(named(phase["mix"], phase["config"]["mixture"]["schedule"]))
         self.mixture.enter_phase(phases)
 
     def new_phase(
         self, store: Store, head: Commit, current: dict[str, Any] | None, logged: dict[str, Any]
     ) -> dict[str, Any]:
-        """A new phase with other weights (or schedule) and batch size.
+        """A new phase with other weights (or schedule), sources and batch size.
 
         **Where it starts.** Logical workers stand at different positions (each takes
         every ``G``-th one, and a batch of one worker may be consumed before another's),
@@ -633,11 +658,24 @@ class MixedStreamPipeline:
         is given the same phases from its start serves the same batches, so a later
         resume is exact, and the audits classify positions by phase the same way.
 
+        **New and removed sources** (by name; a source kept keeps its stream, rows and
+        place in nothing but its name): a kept source's lanes go on where they stood
+        (source epoch, cursor, shuffle buffer); an added source's lanes start at its
+        epoch 0, row 0, with empty buffers; a removed source's lanes are dropped (their
+        buffered rows were never consumed; its consumed samples stay on the record),
+        and so is the rest of a sample of it that a packer had begun. A position below
+        ``S`` that the earlier phases gave a removed source, which a lagging worker has
+        yet to serve, takes the source of the new phase's first piece extended backward
+        from ``S`` (:meth:`ledger.mixture.Phase.sources_before`); the mixture audit counts
+        it in the new phase.
+
         A new batch size only cuts each worker's mixed stream into other batches.
 
         Raises:
-            ConfigMismatch: if the sources (names, rows, streams) or anything but the
-                weights, schedule and batch size changed.
+            ConfigMismatch: if a kept source's rows or stream, the epoch size, or
+                anything but the weights, schedule, sources and batch size changed; or
+                if the sources change together with the world size or ``num_workers``,
+                or while a worker still serves what an earlier change of shape left.
         """
         from ledger.mixture import _phase_of
 
@@ -645,21 +683,11 @@ class MixedStreamPipeline:
         mine = self.config()
         old_mix = base.get("mixture") or {}
         new_mix = mine["mixture"]
-        for key in sorted(set(old_mix) | set(new_mix)):
-            if key in ("schedule", "targets") or old_mix.get(key) == new_mix.get(key):
-                continue
-            # TODO(mixture-streams-phases): a new or removed source would need lanes
-            # added to or dropped from every worker's state (its width is fixed by the
-            # sources); refused until then.
-            raise ConfigMismatch(
-                f"mixture {key}",
-                old_mix.get(key),
-                new_mix.get(key),
-                "A new phase of a Mixture of streams can change its weights, schedule and "
-                "batch size, not its sources (nor their streams or the epoch size).",
-            )
+        was_names = _kept_sources(old_mix, new_mix)
+        names = self.mixture.names
+        changed = was_names != names
         mixed = current is not None and "mix" in current  # the current phase mixes anew
-        if old_mix.get("schedule") == new_mix.get("schedule"):
+        if not changed and old_mix.get("schedule") == new_mix.get("schedule"):
             record = phase_record(mine, current, logged, ("batch_size",), 0)
             if mixed:  # the current phase's mixing goes on
                 assert current is not None
@@ -667,21 +695,26 @@ class MixedStreamPipeline:
                     record[key] = current[key]
             return record
         refuse_phase(mine, base, ("batch_size", "mixture"))
-        names = self.mixture.names
+        if changed:
+            self._check_source_change(store, head, was_names)
+            lengths = [int(src["len"]) for src in old_mix["sources"]]
+            self._was[head.id] = (was_names, lengths)
         if mixed:
             assert current is not None
             was_record = current["mix"]
             earlier = list(current["earlier"])
         else:
-            was_record = {"number": 0, "start": 0, "base": [0] * len(names)}
+            was_record = {"number": 0, "start": 0, "base": [0] * len(was_names)}
             earlier = []
-        was = _phase_of(was_record, old_mix["schedule"], names)
-        start = self._phase_start(head)
+        was = _phase_of(was_record, old_mix["schedule"], was_names)
+        start = self._phase_start(head, 1 + len(was_names), changed)
         number = (int(current["number"]) if current is not None else 0) + 1
+        counts = dict(zip(was_names, was.counts_before(self.seed, start).tolist(), strict=True))
         mix = {
             "number": number,
             "start": start,
-            "base": was.counts_before(self.seed, start).tolist(),
+            "base": [counts.get(name, 0) for name in names],
+            "names": list(names),
         }
         return {
             "number": number,
@@ -689,21 +722,77 @@ class MixedStreamPipeline:
             "start": start,
             "base": mix["base"],
             "mix": mix,
-            "earlier": [*earlier, {**was_record, "schedule": old_mix["schedule"]}],
+            "earlier": [
+                *earlier,
+                {**was_record, "schedule": old_mix["schedule"], "names": list(was_names)},
+            ],
         }
 
-    def _phase_start(self, head: Commit) -> int:
-        """The largest next global position of any logical worker at ``head``."""
+    def _check_source_change(self, store: Store, head: Commit, was_names: tuple[str, ...]) -> None:
+        """Refuse to add or remove sources at ``head`` where the lanes cannot be kept by
+        name: with another shape, or while an earlier change of shape's leftovers are
+        still being served (their plan reads the old sources' lanes by place).
+
+        Raises:
+            ConfigMismatch: naming what stands in the way and what to do.
+        """
+        width = 1 + len(was_names)
+        old_k = len(head.states[0].workers) // width
+        if (head.world_size, old_k) != (self.world_size, self.k):
+            # TODO(mixture-streams-phases): the carry-over of a change of shape reads the
+            # old lanes by place; a change of sources at the same resume would need it
+            # to read them by name.
+            raise ConfigMismatch(
+                "world_size and num_workers",
+                [head.world_size, old_k],
+                [self.world_size, self.k],
+                "A new phase that adds or removes sources of a Mixture of streams keeps "
+                "the world size and num_workers: resume with the old shape and "
+                "new_phase=True, commit, then resume with the new shape.",
+            )
+        for origin in sorted({st.origin for st in head.states if st.origin}):
+            left = read_commit(store, origin)
+            epoch = max(st.epoch for st in left.states)
+            busy = [st.rank for st in head.states if st.epoch <= epoch]
+            kept = [i for i, name in enumerate(was_names) if name in self.mixture.names]
+            for i in kept:
+                carried = max(st.workers[g * width + 1 + i].worker
+                              for st in left.states
+                              for g in range(len(st.workers) // width))  # fmt: skip
+                if any(
+                    st.workers[g * width + 1 + i].worker <= carried
+                    for st in head.states
+                    for g in range(self.k)
+                ):
+                    busy.append(-1 - i)
+            if busy:
+                # TODO(mixture-streams-phases): the leftovers of a change of shape are
+                # planned from the old lanes by place; refused until they are by name.
+                raise ConfigMismatch(
+                    "mixture sources",
+                    list(was_names),
+                    list(self.mixture.names),
+                    f"Commit {head.id} still serves what the change of shape at commit "
+                    f"{origin} left (mixture epoch {epoch} or a source epoch its lanes were "
+                    "in): add or remove sources at a later commit, once every worker has "
+                    "gone past them (resume without new_phase and train on).",
+                )
+
+    def _phase_start(self, head: Commit, width: int, fresh: bool = False) -> int:
+        """The largest next global position of any logical worker at ``head``, whose
+        states hold ``width`` worker states per logical worker (``fresh``: no epoch of
+        ``head`` is served from an earlier change of shape)."""
         n = self.mixture.epoch_size
         states = head.states
-        old_k = len(states[0].workers) // self.width
+        old_k = len(states[0].workers) // width
         out = 0
         for st in states:
             for g in range(old_k):
-                mixer = st.workers[g * self.width]
+                mixer = st.workers[g * width]
                 pos, _, _ = self._positions(
-                    st.epoch, st.origin, head.world_size, old_k, st.rank * old_k + g
-                )
+                    st.epoch, "" if fresh else st.origin, head.world_size, old_k,
+                    st.rank * old_k + g,
+                )  # fmt: skip
                 nxt = pos.at(mixer.emitted, 1)
                 out = max(out, st.epoch * n + (int(nxt[0]) if nxt.size else n))
         return out
@@ -718,6 +807,9 @@ class MixedStreamPipeline:
         self.store = store
         self.replicas = []
         self._reshapes = {}
+        was = self._was.get(head.id)
+        if was is not None and was[0] != self.mixture.names:
+            return self._replay_new_sources(store, head, *was), []
         states = head.states
         if head.world_size != self.world_size or len(states[0].workers) != self.workers:
             self.buffers = {}
@@ -745,6 +837,102 @@ class MixedStreamPipeline:
                     )
         self.buffers = buffers
         return state, []
+
+    def _replay_new_sources(
+        self, store: Store, head: Commit, was_names: tuple[str, ...], was_rows: list[int]
+    ) -> PipelineState:
+        """The rank's state at ``head`` (whose sources were ``was_names``, of ``was_rows``
+        rows) for this mixture's sources, by name (:meth:`new_phase`): kept lanes as they
+        stood, with their buffers; new ones fresh; removed ones and a removed source's
+        sample in progress in a packer dropped.
+
+        Raises:
+            LogCorrupted: if a buffer snapshot disagrees with its lane's cursor.
+        """
+        names = self.mixture.names
+        width = 1 + len(was_names)
+        state = head.state(self.rank)
+        old = state.workers
+        old_buffers: dict[tuple[int, int], list[int]] = {}
+        if any(w.rows_read > w.emitted for i, w in enumerate(old) if i % width):
+            ref = newest_segments(store, head, len(head.states))[self.rank]
+            if ref is None:
+                raise LogCorrupted(f"commit {head.id} has buffered samples but no segment")
+            old_buffers = self._read_buffers(ref, state.batch, was_names)
+        offsets = np.concatenate([[0], np.cumsum(was_rows)]).astype(np.int64)
+        total = int(offsets[-1])
+        workers: list[WorkerState] = []
+        self.buffers = {}
+        for g in range(self.k):
+            mixer = old[g * width]
+            doc = (-1, 0, 0)
+            if mixer.doc >= 0:
+                epoch, flat = divmod(mixer.doc, total)
+                i = int(np.searchsorted(offsets, flat, side="right")) - 1
+                if was_names[i] in names:  # else its rest is dropped with its source
+                    row = flat - int(offsets[i])
+                    ext = self.mixture.ext_id(epoch, names.index(was_names[i]), row)
+                    doc = (ext, mixer.doc_offset, mixer.doc_length)
+            workers.append(replace(mixer, doc=doc[0], doc_offset=doc[1], doc_length=doc[2]))
+            for s, name in enumerate(names):
+                if name not in was_names:
+                    workers.append(WorkerState(0))  # a new source: its epoch 0, row 0
+                    continue
+                i = was_names.index(name)
+                lane = old[g * width + 1 + i]
+                held = old_buffers.get((g, i), [])
+                buffered = self.mixture.sources[s].shuffle_buffer
+                want = lane.rows_read - lane.emitted if buffered else 0
+                if len(held) != want:
+                    raise LogCorrupted(
+                        f"commit {head.id}: worker {g}'s lane of {name!r} read "
+                        f"{lane.rows_read} rows and handed on {lane.emitted}, so its buffer "
+                        f"holds {want}, but the log's snapshot holds {len(held)}"
+                    )
+                workers.append(lane)
+                if held:
+                    self.buffers[(g, s)] = held
+        # No epoch of ``head`` is served from an earlier change of shape any more
+        # (:meth:`_check_source_change`): the plan starts afresh from the positions.
+        return replace(state, workers=tuple(workers), origin="")
+
+
+def _kept_sources(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, ...]:
+    """The source names of a stream mixture's configuration ``old`` (a phase's
+    ``mixture``), after checking that ``new`` keeps what a new phase must keep: the
+    epoch size and construction, and each kept source's rows and stream.
+
+    Raises:
+        ConfigMismatch: naming the first key or source that differs.
+    """
+    for key in sorted((set(old) | set(new)) - {"schedule", "targets", "sources"}):
+        if old.get(key) != new.get(key):
+            raise ConfigMismatch(
+                f"mixture {key}",
+                old.get(key),
+                new.get(key),
+                "A new phase of a Mixture of streams can change its weights, schedule, "
+                "sources and batch size, not its epoch size.",
+            )
+    was = {src["name"]: src for src in old.get("sources", [])}
+    for src in new["sources"]:
+        kept = was.get(src["name"])
+        if kept is not None and kept != src:
+            raise ConfigMismatch(
+                f"mixture source {src['name']!r}",
+                kept,
+                src,
+                "A source kept in a new phase continues its stream where it stood, so its "
+                "rows and stream stay the same: add a changed stream under a new name.",
+            )
+    return tuple(str(src["name"]) for src in old.get("sources", []))
+
+
+def _folder(name: str) -> str:
+    """A source's name as a folder name: itself if it is a plain word, else a digest."""
+    if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) and name not in (".", ".."):
+        return name
+    return f"crc32-{zlib.crc32(name.encode()):08x}"
 
 
 def check_sources(sources: tuple[Any, ...], names: tuple[str, ...]) -> None:
