@@ -376,29 +376,39 @@ def _fetch(cursor: duckdb.DuckDBPyConnection) -> Iterator[tuple[Any, ...]]:
 @main.command("where")
 @click.argument("root")
 @click.option("--sample", "sample_id", required=True, type=int, metavar="ID", help="Sample id.")
+@click.option(
+    "--source",
+    metavar="NAME",
+    help="The ledger.Mixture source the id belongs to (required for a mixture's log: ids "
+    "are per source).",
+)
 @_head_option
 @output_options
-def where_command(root: str, sample_id: int, head: str | None, fmt: str) -> None:
+def where_command(
+    root: str, sample_id: int, source: str | None, head: str | None, fmt: str
+) -> None:
     """Every consumption of sample ID in the log at ROOT, and the commits that saw it.
 
     One row per (attempt, rank, epoch, batch) that consumed the sample, committed or
     not, with whether it is in the head's lineage; then the commits whose model saw it
-    (a commit whose lineage holds one of those consumptions).
+    (a commit whose lineage holds one of those consumptions). In a mixture's log the
+    id is an index (or row) of --source.
 
     Example:
 
     \b
         ledger where /runs/exp7 --sample 1234
         ledger where /runs/exp7 --sample 1234 --head 40 --format json
+        ledger where /runs/mix --sample 1234 --source code
     """
     from rich.table import Table
 
     from ledger.audit.queries import where
 
-    _check_sample(root, sample_id)
+    _check_sample(root, sample_id, source)
     head = _commit(root, head)
     with _progress(f"finding sample {sample_id}"):
-        h = where(root, sample_id, head)
+        h = where(root, sample_id, head, source)
     rows = [dataclasses.astuple(c) for c in h.consumptions]
     columns = [f.name for f in dataclasses.fields(type(h.consumptions[0]))] if rows else []
     if fmt in ("json", "ndjson"):
@@ -410,8 +420,9 @@ def where_command(root: str, sample_id: int, head: str | None, fmt: str) -> None
         return
     console = _console(sys.stdout)
     seen = sum(c.in_lineage for c in h.consumptions)
+    name = f"sample {h.sample_id}" + ("" if source is None else f" of source {source!r}")
     console.print(
-        f"sample {h.sample_id}: {len(rows)} consumptions, {seen} in the lineage of {h.head or '-'}",
+        f"{name}: {len(rows)} consumptions, {seen} in the lineage of {h.head or '-'}",
         soft_wrap=True,
     )
     if rows:
@@ -434,14 +445,24 @@ def where_command(root: str, sample_id: int, head: str | None, fmt: str) -> None
         console.print(", ".join(h.commits), soft_wrap=True)
 
 
-def _check_sample(root: str, sample_id: int) -> None:
+def _check_sample(root: str, sample_id: int, source: str | None) -> None:
+    from ledger.audit.queries import mixture_sources
     from ledger.commits import read_run
+    from ledger.errors import UnsupportedArgument
     from ledger.store import Store
 
-    n = read_run(Store(root))["config"].get("dataset_len")
+    store = Store(root)
+    try:
+        sources = mixture_sources(store, source)
+    except UnsupportedArgument as e:
+        raise click.BadParameter(str(e), param_hint="'--source'") from e
+    if sources is None:
+        n, where = read_run(store)["config"].get("dataset_len"), "the dataset"
+    else:
+        n, where = sources[str(source)], f"source {source!r}"
     if sample_id < 0 or (n is not None and sample_id >= int(n)):
         raise click.BadParameter(
-            f"sample {sample_id} is outside the dataset: its ids are 0 to {int(n or 0) - 1}",
+            f"sample {sample_id} is outside {where}: its ids are 0 to {int(n or 0) - 1}",
             param_hint="'--sample'",
         )
 
@@ -547,7 +568,15 @@ def show_command(
     else:
         with _progress(f"finding batch {batch}"):
             record = show(root, batch, rank, head)
-    columns = ["position", "sample_id", "kind", "token_start", "token_end", "length", "value"]
+    # A mixture's events name their source (ids are per source), and a stream source's
+    # the source epoch that seeded the sample; shown where the log holds them.
+    mixed = [
+        c
+        for c in ("source", "source_epoch")
+        if c in record.events.column_names and record.events[c].null_count < len(record.events)
+    ]
+    columns = ["position", *mixed, "sample_id", "kind", "token_start", "token_end", "length"]
+    columns.append("value")
     events = record.events.select(columns)
     if record.errors is not None:  # bad samples left out of the batch, where they were
         events = pa.concat_tables([events, record.errors.select(columns)]).sort_by("position")

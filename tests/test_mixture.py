@@ -16,6 +16,7 @@ import ledger
 from ledger.audit import connect
 from ledger.audit.checks import check
 from ledger.audit.mixture import SourceShare
+from ledger.audit.queries import where
 from ledger.cli import CHECK_FAILED, main
 from ledger.errors import UnsupportedArgument
 from ledger.mixture import BLOCK, Mixture, Schedule
@@ -193,6 +194,37 @@ def test_coverage_and_duplicates_of_a_mixture_count_its_positions(root) -> None:
     results = {r.check: r for r in check(root, ["coverage", "duplicates", "mixture"])}
     assert all(r.ok for r in results.values()), results
     assert results["coverage"].detail.startswith("2 finished epochs cover all 42 samples")
+
+
+def test_where_and_show_name_the_source_of_a_mixture_sample(root) -> None:
+    loader = ledger.DataLoader(mixture(), batch_size=4, shuffle=True, seed=5, log=root)
+    ids = torch.cat([b["id"] for b in take(loader, 11)]).tolist()  # 44 positions
+    loader.state_dict()
+    runner = CliRunner()
+    # Ids are per source: id 3 is one sample of "code" and another of "prose".
+    want = {
+        name: [p for p, i in enumerate(ids) if i - base == 3]
+        for name, base in (("code", 0), ("prose", 1000))
+    }
+    assert want["code"] and want["prose"]
+    for name, positions in want.items():
+        h = where(root, 3, source=name)
+        assert [c.epoch * 42 + c.position for c in h.consumptions] == positions
+        assert {c.source for c in h.consumptions} == {name}
+    for args, message in (
+        ([], "sample ids are per source; name one"),
+        (["--source", "web"], "'web' is not one"),
+    ):
+        out = runner.invoke(main, ["where", root, "--sample", "3", *args])
+        assert out.exit_code == 2 and message in out.output, out.output
+    out = runner.invoke(main, ["where", root, "--sample", "13", "--source", "code"])
+    assert out.exit_code == 2 and "outside source 'code'" in out.output, out.output
+    out = runner.invoke(main, ["show", root, "--batch", "0", "--format", "csv"])
+    rows = [line.split(",") for line in out.output.splitlines()]
+    assert rows[0][:3] == ["position", "source", "sample_id"]
+    assert [(r[1], int(r[2]) + (1000 if r[1] == "prose" else 0)) for r in rows[1:]] == [
+        ("prose" if i >= 1000 else "code", i) for i in ids[:4]
+    ]
 
 
 # ---------------------------------------------------------------- phases

@@ -23,12 +23,14 @@ from ledger import segments
 from ledger.audit.scan import read_verified
 from ledger.audit.views import connect
 from ledger.commits import (
+    ATTEMPT_NAME,
     Commit,
     SegmentRef,
     default_head,
     lineage,
     list_commits,
     parsing_once,
+    read_attempt,
     read_run,
 )
 from ledger.errors import (
@@ -36,6 +38,7 @@ from ledger.errors import (
     CommitNotFound,
     LedgerError,
     SourceMissing,
+    UnsupportedArgument,
 )
 from ledger.schema import BATCH, ERROR, EVENT_SCHEMA, ROLLBACK, SAMPLE, SPAN
 from ledger.store import Store
@@ -56,6 +59,8 @@ class Consumption:
             only in a journal (consumed, never committed).
         step: that commit's step (``None`` when uncommitted).
         in_lineage: the commit is in the head's lineage (the head's model saw it).
+        source: the ``ledger.Mixture`` source the sample belongs to (``None`` outside
+            mixtures).
     """
 
     attempt: int
@@ -70,6 +75,7 @@ class Consumption:
     commit_id: str | None
     step: int | None
     in_lineage: bool
+    source: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +84,7 @@ class SampleHistory:
 
     Attributes:
         sample_id: the sample.
+        source: its ``ledger.Mixture`` source (``None`` outside mixtures).
         head: the head commit the lineage is taken from (``None``: empty log).
         consumptions: every consumption, committed ones by step, attempt, rank, batch,
             then the uncommitted ones.
@@ -89,37 +96,48 @@ class SampleHistory:
     head: str | None
     consumptions: tuple[Consumption, ...]
     commits: tuple[str, ...]
+    source: str | None = None
 
 
 @parsing_once
-def where(root: str, sample_id: int, head: str | None = None) -> SampleHistory:
+def where(
+    root: str, sample_id: int, head: str | None = None, source: str | None = None
+) -> SampleHistory:
     """Every consumption of ``sample_id``, and the commits whose model saw it.
 
     Args:
         root: the log root.
-        sample_id: the sample's id (map-style: the dataset index; streams: the row).
+        sample_id: the sample's id (map-style: the dataset index; streams: the row; a
+            ``ledger.Mixture``: the index or row in ``source``).
         head: head commit of the lineage (default: the newest commit of the newest
             attempt).
+        source: for a log of a ``ledger.Mixture``, the source the id belongs to (ids are
+            per source, so the same id names one sample of each source).
 
     Returns:
         The sample's history.
 
     Raises:
         CommitNotFound: if ``root`` holds no run, or ``head`` names no commit.
+        UnsupportedArgument: if the run is a mixture and ``source`` is not one of its
+            sources (or not given), or the run is no mixture and ``source`` is given.
         LogCorrupted: if the commit chain is broken, or a committed segment is missing or
             differs from its marker (every segment is hashed as it is read).
     """
+    store = Store(root)
+    mixture_sources(store, source)
     con = connect(root, head)
     try:
-        rows = _consumptions(Store(root), con, int(sample_id))
+        rows = _consumptions(store, con, int(sample_id), source)
         lost = con.execute(
             """
             SELECT attempt, rank, worker, epoch, batch, position, kind, token_start,
-                   token_end, NULL, NULL, false
+                   token_end, NULL, NULL, false, CAST(source AS VARCHAR)
             FROM uncommitted WHERE sample_id = $id AND kind IN ('sample', 'span')
+                AND ($source IS NULL OR CAST(source AS VARCHAR) = $source)
             ORDER BY attempt, rank, batch, token_start NULLS FIRST
             """,
-            {"id": int(sample_id)},
+            {"id": int(sample_id), "source": source},
         ).fetchall()
         head_row = con.execute("SELECT commit_id FROM commits WHERE is_head").fetchone()
         parents = con.execute(
@@ -136,18 +154,63 @@ def where(root: str, sample_id: int, head: str | None = None) -> SampleHistory:
         head=head_row[0] if head_row else None,
         consumptions=tuple(Consumption(*r) for r in rows + lost),
         commits=tuple(cid for cid, _ in parents if seen[cid]),
+        source=source,
     )
+
+
+def mixture_sources(store: Store, source: str | None) -> dict[str, int | None] | None:
+    """The sources of the run's ``ledger.Mixture`` (``run.json``'s, then those that later
+    phases added) with their lengths (``None`` where no phase record gives one), or
+    ``None`` for a run that is no mixture; checks ``source`` against them.
+
+    Raises:
+        CommitNotFound: if the root holds no run.
+        LogCorrupted: if an attempt record is damaged.
+        UnsupportedArgument: if the run is a mixture and ``source`` is ``None`` or not one
+            of its sources, or the run is no mixture and ``source`` is given.
+    """
+    config = read_run(store)["config"]
+    if "mixture" not in config:
+        if source is not None:
+            raise UnsupportedArgument(
+                f"the run in {store.uri} is not a ledger.Mixture: it has no source {source!r}"
+            )
+        return None
+    sources: dict[str, int | None] = {}
+    mixtures = [config["mixture"]]
+    for name in store.ls("attempts"):
+        if not ATTEMPT_NAME.match(name):
+            continue  # a stray file, as the attempts view ignores it
+        try:
+            phase = read_attempt(store, name).get("phase")
+        except FileNotFoundError:
+            continue  # removed since the listing
+        if phase is not None and "mixture" in phase.get("config", {}):
+            mixtures.append(phase["config"]["mixture"])
+    for mix in mixtures:
+        for entry in mix.get("sources", []):
+            sources.setdefault(str(entry["name"]), entry.get("len"))
+    if source not in sources:
+        names = ", ".join(repr(n) for n in sources)
+        raise UnsupportedArgument(
+            f"the run in {store.uri} is a ledger.Mixture of {names}: sample ids are per "
+            + ("source; name one" if source is None else f"source, and {source!r} is not one")
+        )
+    return sources
 
 
 _WHERE_COLUMNS = [
     "attempt", "rank", "worker", "epoch", "batch", "position", "kind", "token_start",
-    "token_end", "sample_id",
+    "token_end", "sample_id", "source",
 ]  # fmt: skip
 
 
-def _consumptions(store: Store, con: Any, sample_id: int) -> list[tuple[Any, ...]]:
-    """Committed consumptions of ``sample_id``, as :class:`Consumption` fields, read from
-    every segment a marker names, each checked against its marker's SHA-256 as it is read.
+def _consumptions(
+    store: Store, con: Any, sample_id: int, source: str | None
+) -> list[tuple[Any, ...]]:
+    """Committed consumptions of ``sample_id`` (of ``source``, in a mixture), as
+    :class:`Consumption` fields, read from every segment a marker names, each checked
+    against its marker's SHA-256 as it is read.
     """
     named = con.execute(
         """
@@ -162,10 +225,16 @@ def _consumptions(store: Store, con: Any, sample_id: int) -> list[tuple[Any, ...
         if hit.num_rows == 0:
             continue
         kinds = hit["kind"].cast(pa.string())
+        keep = pc.is_in(kinds, pa.array(CONSUMED_KINDS))
+        sources = hit["source"].cast(pa.string())
+        if source is not None:
+            keep = pc.and_(keep, pc.equal(sources, source))
         hit = hit.set_column(hit.schema.get_field_index("kind"), "kind", kinds)
-        hit = hit.filter(pc.is_in(kinds, pa.array(CONSUMED_KINDS)))
+        hit = hit.set_column(hit.schema.get_field_index("source"), "source", sources)
+        hit = hit.filter(keep)
         for row in hit.drop_columns(["sample_id"]).to_pylist():
-            found.append((*row.values(), cid, step, in_lineage))
+            *fields, name = row.values()
+            found.append((*fields, cid, step, in_lineage, name))
     # Order: step, attempt, rank, batch, then a packed sample's spans by their first token.
     found.sort(key=lambda r: (r[10], r[0], r[1], r[4], -1 if r[7] is None else r[7]))
     return found
