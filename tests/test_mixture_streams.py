@@ -952,7 +952,7 @@ def test_a_new_phase_adds_and_removes_stream_sources(tmp_path, sources, workers)
     from ledger.store import Store
 
     _write(tmp_path, "web", WEB_ROWS)
-    new = {"code": 0.5, "web": 0.5}
+    new = {"code": 0.2, "web": 0.8}
     root = str(tmp_path / "log")
 
     def make(mix: Mixture, at: str = root, batch_size: int = 3) -> ledger.DataLoader:
@@ -1018,7 +1018,7 @@ def test_a_new_phase_adds_and_removes_stream_sources(tmp_path, sources, workers)
     was, now = mixture(sources, False), _changed(tmp_path, sources, False, new)
     phase1 = Phase(start, np.array(phase["base"]), now.counts, now.schedule.starts, 1)
     want = []
-    replaced = 0
+    replaced: list[str] = []
     for p, _, batch in rows:
         here = np.array([p], np.int64)
         if p >= start:
@@ -1027,9 +1027,11 @@ def test_a_new_phase_adds_and_removes_stream_sources(tmp_path, sources, workers)
             want.append(was.names[int(was.sources_at(5, here)[0])])
         else:
             want.append(now.names[int(phase1.sources_before(5, here)[0])])
-            replaced += 1
+            replaced.append(want[-1])
     assert [r[1] for r in rows] == want
-    assert replaced == (2 if workers else 0)  # one logical worker never lags
+    # One logical worker never lags; with two, two positions of prose are left, both
+    # taken by web, which the old phase never drew: the audit counts them in the new one.
+    assert replaced == (["web", "web"] if workers else [])
     out = CliRunner().invoke(main, ["audit", root, "--check", "mixture", "--check", "coverage"])
     assert out.exit_code == 0, out.output
     assert "in each of 2" in out.output, out.output  # per phase
