@@ -62,6 +62,21 @@ def packed_stream(shards_dir: str, shuffle_buffer: int, seq_len: int = 16):
     )
 
 
+class MapTokens:
+    """A map-style source of ``n`` documents as byte tokens + 1 (as :func:`packed_stream`'s
+    transform makes them): ``"m {i} " + "w" * (3 * (i % 5))``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        text = f"m {i} " + "w" * (3 * (i % 5))
+        return np.frombuffer(text.encode(), np.uint8).astype(np.int64) + 1
+
+
 @pytest.fixture
 def root(tmp_path):
     """A fresh log root on local disk."""

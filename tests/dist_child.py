@@ -7,6 +7,7 @@ Usage: torchrun --nproc_per_node W dist_child.py ROOT OUTDIR TOTAL [--resume]
        [--shards DIR]  (a packed, shuffled stream over DIR/* instead of a dataset)
        [--mixture]  (a ledger.Mixture of two datasets; ids of "b" start at 1000)
        [--stream-mixture DIR]  (a ledger.Mixture of packed streams over DIR/a/* and DIR/b/*)
+       [--map-a N]  (with --stream-mixture: "a" is a map-style source of N token documents)
 Each rank appends "<step> <ids> <digest>" per batch to OUTDIR/stream-<rank>.txt and keeps
 its token in OUTDIR/ckpt-<rank>.json (written after every commit, every 3 steps, then a
 barrier).
@@ -23,7 +24,7 @@ import sys
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import Augmented, Based, packed_stream
+from conftest import Augmented, Based, MapTokens, packed_stream
 
 import ledger
 from ledger.store import Store
@@ -57,10 +58,15 @@ def main() -> None:
         key = "tokens"
     elif "--stream-mixture" in sys.argv:
         shards = sys.argv[sys.argv.index("--stream-mixture") + 1]
+        a = (
+            MapTokens(int(sys.argv[sys.argv.index("--map-a") + 1]))
+            if "--map-a" in sys.argv
+            else packed_stream(os.path.join(shards, "a"), shuffle_buffer=3)
+        )
         loader = ledger.DataLoader(
             ledger.Mixture(
                 {
-                    "a": packed_stream(os.path.join(shards, "a"), shuffle_buffer=3),
+                    "a": a,
                     "b": packed_stream(os.path.join(shards, "b"), shuffle_buffer=2),
                 },
                 weights={"a": 0.7, "b": 0.3},

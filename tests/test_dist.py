@@ -319,3 +319,63 @@ def test_elastic_stream_mixture_two_to_one_to_three_ranks(tmp_path):
         assert [r[2] for r in mine] == [mix.names[s] for s in truth.tolist()]
         for _, p, _, ids, tokens, length, lo, hi in mine:
             assert (ids, tokens, lo, hi) == (1, length, 0, length), (epoch, p)
+
+
+def test_elastic_mixture_of_a_map_style_source_and_a_stream_two_to_one_rank(tmp_path):
+    """A map-style source beside a packed stream, resumed from 2 ranks to 1: every
+    position of each finished mixture epoch once, of its source; every token of every
+    sample once; the map-style source's samples are its seeded order's (each index of a
+    finished source epoch of one lane once)."""
+    import numpy as np
+    from conftest import MapTokens
+
+    import ledger
+    from ledger.audit import connect
+    from ledger.stream import ShardedSource, Stream
+
+    shards = tmp_path / "shards"
+    (shards / "b").mkdir(parents=True)
+    for s in range(3):
+        with open(shards / "b" / f"part-{s}.jsonl", "w") as f:
+            for i in range(2 + s):
+                f.write(json.dumps({"text": f"b {s} {i} " + "w" * (3 * i)}) + "\n")
+    log = str(tmp_path / "log")
+    for i, (nproc, total) in enumerate([(2, 5), (1, 24)]):
+        out = tmp_path / f"shape{i}"
+        out.mkdir()
+        resume = ["--resume-from", str(tmp_path / "shape0" / "ckpt-0.json")] if i else []
+        args = ("--stream-mixture", str(shards), "--map-a", "14", *resume)
+        assert torchrun(nproc, log, str(out), str(total), *args) == 0
+    head = list_commits(Store(log))[-1]
+    assert head.world_size == 1
+    done = min(s.epoch for s in head.states)
+    assert done >= 1
+    con = connect(log)
+    rows = con.execute(
+        """
+        SELECT epoch, position, any_value(CAST(source AS VARCHAR)), count(DISTINCT sample_id),
+               sum(token_end - token_start), any_value(length), min(token_start),
+               max(token_end)
+        FROM lineage WHERE kind = 'span' AND epoch < ? GROUP BY 1, 2 ORDER BY 1, 2
+        """,
+        [done],
+    ).fetchall()
+    con.close()
+    size = 14 + 9
+    mix = ledger.Mixture(
+        {"a": MapTokens(14), "b": Stream(ShardedSource(str(shards / "b" / "*")))},
+        weights={"a": 0.7, "b": 0.3},
+    )
+    for epoch in range(done):
+        mine = [r for r in rows if r[0] == epoch]
+        assert [r[1] for r in mine] == list(range(size)), epoch
+        truth = mix.sources_at(5, np.arange(size) + epoch * size)
+        assert [r[2] for r in mine] == [mix.names[s] for s in truth.tolist()]
+        for _, p, _, ids, tokens, length, lo, hi in mine:
+            assert (ids, tokens, lo, hi) == (1, length, 0, length), (epoch, p)
+    from click.testing import CliRunner
+
+    from ledger.cli import main
+
+    out = CliRunner().invoke(main, ["audit", log, "--check", "mixture"])
+    assert out.exit_code == 0, out.output

@@ -1093,3 +1093,19 @@ def test_a_new_phase_drops_the_rest_of_a_removed_sources_packed_sample(
     assert not any(parts[0][0] == "prose" for p, parts in spans.items() if p > cut)
     out = CliRunner().invoke(main, ["audit", root, "--check", "mixture", "--check", "coverage"])
     assert out.exit_code == 0, out.output
+
+
+def test_a_change_of_shape_after_a_worker_finished_its_part_of_the_epoch(sources, root) -> None:
+    """4 workers -> 1 when worker 0 has served all its positions of mixture epoch 0 and
+    the others have not: the new worker serves only what no old worker served (the first
+    position no old worker reached is the epoch's end, since worker 0 reached it)."""
+    first = loader(sources, root, False, 4)
+    list(take(first, 13))  # workers' 11/11/10/10 positions: worker 0's 4 batches, 3 each
+    token = first.state_dict()
+    again = loader(sources, root, False, 0)
+    again.load_state_dict(token)
+    list(take(again, 12))
+    again.state_dict()
+    rows, last = _lineage(root)
+    assert last >= 1
+    _check_positions_and_sources(mixture(sources, False), 5, rows, last)

@@ -329,9 +329,15 @@ class MixedStreamPipeline:
             nexts: list[tuple[int, int]] = []
             tails: list[Tail] = []
             tail_positions: list[int] = []
+            # Whether some old worker served its last position of epoch e: then the first
+            # position no old worker reached is the epoch's end, and every position still
+            # unserved lies in the gap (the new stride from a lower start would serve again
+            # positions of the worker that finished).
+            reached_end = False
             for st in states:
                 if st.epoch > e:
-                    continue  # the rank served all of epoch e
+                    reached_end = True  # the rank served all of epoch e
+                    continue
                 for g in range(old_k):
                     gw = st.rank * old_k + g
                     pos, old_tails, old_tail_pos = self._positions(
@@ -356,7 +362,9 @@ class MixedStreamPipeline:
                     nxt = pos.first + max(k - pos.gap.size, 0) * pos.stride
                     if nxt < n:
                         nexts.append((nxt, pos.stride))
-            start = min(n, max((x for x, _ in nexts), default=n))
+                    else:
+                        reached_end = True
+            start = n if reached_end else min(n, max((x for x, _ in nexts), default=n))
             left = np.sort(
                 np.concatenate(
                     [*gaps, *(np.arange(x, start, stride, dtype=np.int64) for x, stride in nexts)]
