@@ -16,6 +16,7 @@ not depend on the Python version, the process or the memory layout of a tensor:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from collections.abc import Mapping
 from typing import Any
@@ -47,6 +48,12 @@ def digest_bytes(batch: Any) -> bytes:
         TypeError: if the batch holds another type (a custom class); pass
             ``digest=False`` to the loader for such batches.
     """
+    if type(batch) is torch.Tensor:  # the common case, with fewer calls
+        raw = _memory(batch)
+        if raw is not None:
+            h = hashlib.sha256(_tensor_header(batch))
+            h.update(raw)
+            return h.digest()
     h = hashlib.sha256()
     _update(h, batch)
     return h.digest()
@@ -65,10 +72,34 @@ def _tensor_header(t: torch.Tensor) -> bytes:
     return header
 
 
+_CHARS: dict[int, Any] = {}
+
+
+def _memory(t: torch.Tensor) -> Any:
+    """A buffer over the bytes of a C-contiguous CPU tensor without a conjugate or
+    negative bit (``None`` for others): the bytes ``t.numpy()`` would expose, at a
+    third of its cost (~0.7 vs ~2 µs; once per batch). The tensor must outlive it."""
+    if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
+        return None
+    size = t.nbytes
+    if size == 0:
+        return b""
+    chars = _CHARS.get(size)
+    if chars is None:
+        chars = ctypes.c_char * size
+        if len(_CHARS) < 4096:  # batches have few sizes; bound it anyway
+            _CHARS[size] = chars
+    return chars.from_address(t.data_ptr())
+
+
 def _update(h: Any, x: Any) -> None:
     if isinstance(x, torch.Tensor):
         h.update(_tensor_header(x))
-        try:  # the common case: a CPU tensor numpy can view (no grad, a numpy dtype)
+        raw = _memory(x)
+        if raw is not None:
+            h.update(raw)
+            return
+        try:  # a CPU tensor numpy can view (no grad, a numpy dtype)
             a = x.numpy()
         except (TypeError, RuntimeError):
             t = x.detach()

@@ -72,3 +72,20 @@ def test_every_tensor_path_hashes_the_same_content():
         b"Ttorch.bfloat16(2, 3)" + x.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
     )
     assert batch_digest(x.to(torch.bfloat16)) == expected.hexdigest()
+
+
+def test_the_raw_memory_path_hashes_what_numpy_would():
+    """A contiguous CPU tensor is hashed through its memory, not ``Tensor.numpy``: a view
+    at an offset into its storage, an empty tensor and views with a lazy negative or
+    conjugate bit (whose memory is not their values) hash their values, alone or inside a
+    batch."""
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    row = x[1]
+    expected = hashlib.sha256(b"Ttorch.float32(3,)" + np.float32([3, 4, 5]).tobytes())
+    assert batch_digest(row) == expected.hexdigest()
+    assert batch_digest(torch.zeros(0)) == hashlib.sha256(b"Ttorch.float32(0,)").hexdigest()
+    for lazy in (torch._neg_view(x), torch.complex(x, x).conj()):  # contiguous, lazy
+        assert lazy.is_contiguous() and (lazy.is_neg() or lazy.is_conj())
+        plain = lazy.resolve_neg().resolve_conj()
+        assert batch_digest(lazy) == batch_digest(plain)
+        assert batch_digest([lazy]) == batch_digest([plain])
