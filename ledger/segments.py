@@ -25,8 +25,15 @@ ROW_GROUP_ROWS = 1 << 16
 """Rows per Parquet row group: the unit encoded in the background, and read on resume."""
 
 # Columns constant over a batch (attempt, rank, worker, epoch) stay PLAIN: zstd folds
-# their runs to the same size, at ~25% less encoding CPU than the delta encoder.
+# their runs to the same size, at ~25% less encoding CPU than the delta encoder (and than
+# dictionary encoding, measured at 39.7 vs 32.2 µs per batch of 256 for the same bytes).
 _DELTA = {name: "DELTA_BINARY_PACKED" for name in ("batch", "position", "sample_id")}
+
+# Min/max statistics where a reader prunes or checks with them: resume finds the final
+# batch's row group by ``batch`` (:func:`ledger.replay.replay`), ``verify`` checks
+# ``attempt`` and ``rank``, and queries filter on the others. The digest's, the spans' and
+# ``value``'s min/max answer no query; they cost 0.0085 bytes per event at batch 256.
+_STATISTICS = ["attempt", "rank", "worker", "epoch", "batch", "position", "sample_id", "kind"]
 
 
 def segment_path(attempt: int, rank: int, step: int) -> str:
@@ -57,7 +64,7 @@ def _writer(sink: pa.BufferOutputStream) -> pq.ParquetWriter:
         compression="zstd",
         use_dictionary=["kind", "source"],  # a mixture names few sources
         column_encoding=_DELTA,
-        write_statistics=True,
+        write_statistics=_STATISTICS,
         write_batch_size=ROW_GROUP_ROWS,  # the same bytes as the default 1,024, ~8% less CPU
     )
 
