@@ -256,6 +256,26 @@ def test_spark_rejects_an_id_outside_the_dataset_and_releases_its_cache(spark, t
     assert session.sparkContext._jsc.sc().getPersistentRDDs().size() == persisted
 
 
+def test_distinct_counts_at_bitmap_word_edges(spark, tmp_path):
+    """The distinct counts are popcounts of 64-id words: ids at word edges (0, 63 -- the
+    sign bit -- 64, 127, 128), repeated across batches and commits, skipped and consumed,
+    count as DuckDB's bitmap pass counts them, and as written out here."""
+    engine, session = spark
+    f = LogFactory(tmp_path / "log", dataset_len=200)
+    f.attempt(0, None)
+    ids = [[0, 63, 64], [127, 128, 199], [63, 64, 5]]
+    rows = [r for b, i in enumerate(ids) for r in batch(0, 0, b, 3 * b, i)]
+    rows += [(0, 0, -1, 0, 2, 9, 130, "skip"), (0, 0, -1, 0, 2, 10, 63, "skip")]
+    c3 = f.commit(0, 3, None, rows, (1, 0))
+    f.commit(0, 4, c3, batch(0, 1, 3, 0, [63, 1, 2]), (1, 1))
+    got = engine.summarize(session, str(tmp_path / "log"))
+    assert got == summarize(str(tmp_path / "log"))
+    e0, e1 = got.epochs
+    assert (e0.samples, e0.distinct, e0.duplicates) == (9, 7, 2)
+    assert (e0.skipped, e0.skipped_distinct, e0.covered) == (2, 2, 8)
+    assert (e1.samples, e1.distinct, e1.duplicates, e1.covered) == (3, 3, 0, 3)
+
+
 def test_manifest_ranges_match_the_walked_lineage(tmp_path):
     """Without Spark: each marker's ranges select exactly the walked lineage."""
     from ledger.commits import lineage, list_commits

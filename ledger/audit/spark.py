@@ -25,8 +25,9 @@ and :func:`ledger.audit.checks.check` answer, with exact distinct counts in SQL 
 of the bitmap pass. The summary makes two passes over the rows, neither joining rows to
 commits: rows and samples counted per file (grouped by Spark's per-file
 ``_metadata.file_path``, then matched to the manifest once per file), and one
-aggregation over the lineage's own files (distinct counts, ids outside the dataset, last
-position). Both check each segment's and compacted file's SHA-256 in Spark (``sha2``
+aggregation over the lineage's own files (distinct counts as popcounts of 64-bit bitmaps
+grouped by (epoch, ``sample_id >> 6``), not a group per id; ids outside the dataset;
+last position). Both check each segment's and compacted file's SHA-256 in Spark (``sha2``
 over ``binaryFile``) and its row count against its marker before trusting it.
 
 Requires the ``spark`` extra (``pip install 'ledger[spark]'``: pyspark) and Java 17.
@@ -279,9 +280,17 @@ def _manifest_schema() -> Any:
     )
 
 
-def _segment_rows(spark: SparkSession, store: Store, root: str, paths: Sequence[str]) -> DataFrame:
+def _segment_rows(
+    spark: SparkSession, store: Store, root: str, paths: Sequence[str], *, with_file: bool = True
+) -> DataFrame:
     """The rows of the segment files ``paths`` (no commit columns), each with the path of
-    its file as Spark names it (``_ledger_file``: a per-file constant, no per-row work)."""
+    its file as Spark names it (``_ledger_file``, from the reader's ``_metadata.file_path``)
+    if ``with_file``.
+
+    Only a reader whose consumer uses the path may carry it: Spark prunes an unused
+    ``_metadata`` column to nothing only when a field of it is used, and otherwise reads
+    every metadata field (``row_index`` too) and builds the whole struct for every row
+    (measured: the lineage's aggregation read ``_tmp_metadata_row_index`` before)."""
     from pyspark.sql import functions as F
 
     odd = [p for p in paths if not _SEGMENT.match(p)]
@@ -291,11 +300,10 @@ def _segment_rows(spark: SparkSession, store: Store, root: str, paths: Sequence[
             "the Spark audit joins segments to commits by that path"
         )
     if not paths:
-        return spark.createDataFrame([], _event_schema(False)).withColumn(
-            "_ledger_file", F.lit(None).cast("string")
-        )
+        empty = spark.createDataFrame([], _event_schema(False))
+        return empty.withColumn("_ledger_file", F.lit(None).cast("string")) if with_file else empty
     raw = spark.read.schema(_event_schema(False)).parquet(*[_spark_uri(root, p) for p in paths])
-    return raw.select("*", F.col("_metadata.file_path").alias("_ledger_file"))
+    return raw.select("*", F.col("_metadata.file_path").alias("_ledger_file")) if with_file else raw
 
 
 def _relative(column: Any) -> Any:
@@ -359,7 +367,8 @@ def _rows(spark: SparkSession, store: Store, root: str, commits: Sequence[Any]) 
     read directly, so no row is joined to its commit, plus their compacted rows."""
     listed = manifest.files(store, commits)
     names = list(EVENT_SCHEMA.names)
-    parts = [_segment_rows(spark, store, root, [p for p, _, _ in listed.segments]).select(*names)]
+    segments = [p for p, _, _ in listed.segments]
+    parts = [_segment_rows(spark, store, root, segments, with_file=False).select(*names)]
     compacted = _compacted_rows(spark, root, listed.compacted)
     if compacted is not None:
         parts.append(compacted.select(*names))
@@ -440,23 +449,36 @@ def _summary(spark: SparkSession, store: Store, run: dict[str, Any], head: str |
     for path, events, rows in bad.collect():
         raise LogCorrupted(f"segment {store.full(path)} has {events} rows, its marker says {rows}")
     # Pass 2, over the lineage's rows only (its files read directly, no join): exact
-    # distinct counts with one shuffle, rows first grouped by (epoch, id) so each id of an
-    # epoch crosses the network once (three COUNT(DISTINCT) would expand every row three
-    # times before shuffling it); the ids outside the dataset and each epoch's last
-    # position ride in the same aggregation.
+    # distinct counts without a group per id. Rows are grouped by (epoch, word), a word
+    # being 64 consecutive ids (``sample_id >> 6``), each group OR-ing one bit per id
+    # (``1 << (sample_id & 63)``) into a 64-bit bitmap of the ids consumed and one of the
+    # ids skipped; the distinct counts are the bitmaps' popcounts (``bit_count``). That is
+    # 64 times fewer groups than (epoch, id), so the hash aggregation's table and its
+    # shuffle shrink alike (a group per id outgrew the execution memory at 10^8 events and
+    # spilled). Every int64 id has one (word, bit), negative ones too (arithmetic shift,
+    # two's complement mask), so the counts are exact. The rows outside the dataset and
+    # each epoch's last position ride in the same aggregation.
     epochs = spark.sql(
         f"""
-        WITH per_id AS (
-            SELECT epoch, sample_id, count_if({CONSUMED}) AS used,
-                   count_if(kind = 'skip') AS dropped,
-                   max(CASE WHEN {CONSUMED} THEN position END) AS last
+        WITH flagged AS (
+            SELECT epoch, sample_id, position, {CONSUMED} AS used, kind = 'skip' AS dropped
             FROM ledger_lineage_rows WHERE kind = 'skip' OR {CONSUMED}
-            GROUP BY epoch, sample_id
+        ), words AS (
+            SELECT epoch, shiftright(sample_id, 6) AS word,
+                   count_if(used) AS used,
+                   bit_or(CASE WHEN used THEN shiftleft(1L, sample_id & 63) ELSE 0L END)
+                       AS used_bits,
+                   count_if(dropped) AS dropped,
+                   bit_or(CASE WHEN dropped THEN shiftleft(1L, sample_id & 63) ELSE 0L END)
+                       AS dropped_bits,
+                   max(CASE WHEN used THEN position END) AS last,
+                   count_if(sample_id < 0 OR sample_id >= {dataset_len or 0}) AS outside
+            FROM flagged GROUP BY epoch, word
         )
-        SELECT epoch, sum(used), count_if(used > 0), sum(dropped), count_if(dropped > 0),
-               count(*), max(last),
-               count_if(sample_id < 0 OR sample_id >= {dataset_len or 0})
-        FROM per_id GROUP BY epoch ORDER BY epoch
+        SELECT epoch, sum(used), sum(bit_count(used_bits)), sum(dropped),
+               sum(bit_count(dropped_bits)), sum(bit_count(used_bits | dropped_bits)),
+               max(last), sum(outside)
+        FROM words GROUP BY epoch ORDER BY epoch
         """
     ).collect()
     if any(r[7] for r in epochs):
