@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ledger import segments
@@ -52,6 +53,7 @@ from ledger.commits import (
     read_run,
 )
 from ledger.errors import CommitConflict, CommitNotFound, LogCorrupted
+from ledger.history import HEAD
 from ledger.manifest import manifest_path
 from ledger.ranks import SegmentRef
 from ledger.schema import EVENT_SCHEMA, SCHEMA_VERSION
@@ -132,7 +134,8 @@ class Compaction:
         before: the commit whose lineage it compacted.
         created_at: ISO 8601 UTC time.
         files: the files it wrote.
-        pieces: original segment path -> where its rows are.
+        placed: one row per piece (:data:`PLACED_SCHEMA`): where each original segment's
+            rows are; :func:`pieces` gives them as :class:`Piece` objects.
         catalog: ``{"path", "bytes", "sha256"}`` of its catalog of commit markers
             (:data:`CATALOG_SCHEMA`), ``None`` for a compaction written before catalogs.
     """
@@ -141,8 +144,25 @@ class Compaction:
     before: str
     created_at: str
     files: tuple[CompactedFile, ...]
-    pieces: dict[str, Piece]
+    placed: pa.Table
     catalog: dict[str, Any] | None = None
+
+
+PLACED_SCHEMA = pa.schema(
+    [
+        pa.field("path", pa.string(), nullable=False),
+        pa.field("file", pa.string(), nullable=False),
+        pa.field("first_group", pa.int64(), nullable=False),
+        pa.field("groups", pa.int64(), nullable=False),
+        pa.field("rows", pa.int64(), nullable=False),
+        pa.field("sha256", pa.string(), nullable=False),
+        pa.field("commit_id", pa.string(), nullable=False),
+        pa.field("first_row", pa.int64(), nullable=False),
+    ]
+)
+"""The pieces of compactions as columns, one row per original segment: its ``path``, the
+compacted ``file`` (relative to the root) holding its rows and the other fields of
+:class:`Piece` (what :func:`piece_table` gives the audit, with no object per piece)."""
 
 
 # ------------------------------------------------------------------ reading
@@ -180,23 +200,25 @@ def read_compaction(store: Store, cid: str) -> Compaction:
         read = pq.read_table(pa.BufferReader(blob))
         if "first_row" not in read.column_names:  # the old layout: a piece per row group
             read = read.append_column("first_row", pa.array([-1] * read.num_rows, pa.int64()))
-        table = read.cast(PIECES_SCHEMA).to_pydict()
+        table = read.select(PIECES_SCHEMA.names).cast(PIECES_SCHEMA)
     except (pa.ArrowException, ValueError, KeyError) as e:
         raise LogCorrupted(f"{store.full(ref['path'])} is not a pieces table: {e}") from e
-    names = [f.path for f in files]
-    try:
-        with no_cycles():
-            pieces = {
-                path: Piece(names[file], first_group, groups, rows, digest, commit, first_row)
-                for path, file, first_group, groups, rows, digest, commit, first_row in zip(
-                    *(table[k] for k in ("path", "file", "first_group", "groups", "rows")),
-                    *(table[k] for k in ("sha256", "commit_id", "first_row")),
-                    strict=True,
-                )
-            }
-    except IndexError as e:
-        raise LogCorrupted(f"{store.full(ref['path'])} names a file {rel} does not list") from e
-    return Compaction(cid, before, created, files, pieces, catalog)
+    number = table["file"].to_numpy()
+    if number.size and (number.min() < 0 or number.max() >= len(files)):
+        raise LogCorrupted(f"{store.full(ref['path'])} names a file {rel} does not list")
+    names = pa.array([f.path for f in files], pa.string())
+    placed = pa.table(
+        [
+            table["path"],
+            names.take(pa.array(number, pa.int64())),
+            *(table[k].cast(pa.int64()) for k in ("first_group", "groups", "rows")),
+            table["sha256"],
+            table["commit_id"],
+            table["first_row"],
+        ],
+        schema=PLACED_SCHEMA,
+    )
+    return Compaction(cid, before, created, files, placed, catalog)
 
 
 def list_compactions(store: Store) -> list[Compaction]:
@@ -270,7 +292,36 @@ def catalogued(store: Store) -> dict[str, Commit]:
     return out
 
 
-def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
+def catalog_tables(store: Store) -> list[pa.Table]:
+    """The catalogs of the root's compactions as checked Arrow tables
+    (:data:`CATALOG_SCHEMA`), newest compaction first (a commit is looked up in the first
+    that holds it). Read once per command inside :func:`ledger.commits.parse_once`.
+
+    Raises:
+        LogCorrupted: as :func:`catalogued`.
+    """
+    cache = command_cache()
+    key = ("catalog_tables", store.uri)
+    if cache is not None and key in cache:
+        return list(cache[key])
+    out = [
+        _catalog_table(store, comp.catalog["path"], comp.catalog["sha256"])
+        for comp in reversed(list_compactions(store))
+        if comp.catalog is not None
+    ]
+    if cache is not None:
+        cache[key] = tuple(out)
+    return out
+
+
+def _catalog_table(store: Store, rel: str, digest: str) -> pa.Table:
+    """A catalog's columns, checked: the SHA-256 its compaction names, each rank table's
+    size (``world_size x width``, at least the leading columns of a rank row), lineage
+    ranges in triples and planned skips with ``0 <= start < stop``.
+
+    Raises:
+        LogCorrupted: naming the catalog and the commit, if a check fails.
+    """
     where = store.full(rel)
     try:
         blob = store.read_bytes(rel)
@@ -282,7 +333,42 @@ def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
         read = pq.read_table(pa.BufferReader(blob))
         if "skips" not in read.column_names:  # written before planned skips were catalogued
             read = read.append_column("skips", pa.nulls(read.num_rows, pa.list_(SKIP_TYPE)))
-        table = read.select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA)
+        table = read.select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA).combine_chunks()
+        offsets = table["ranks"].combine_chunks().offsets.to_numpy()
+        lineage = table["lineage"].combine_chunks()
+        bounds = lineage.offsets.to_numpy().astype(np.int64)
+        has_lineage = lineage.is_valid().to_numpy(zero_copy_only=False)
+        skips = table["skips"].combine_chunks()
+        flat = (
+            pc.struct_field(skips.values, "start").to_numpy(),
+            pc.struct_field(skips.values, "stop").to_numpy(),
+        )
+        skip_of = np.repeat(np.arange(len(skips)), np.diff(skips.offsets.to_numpy()))
+    except (pa.ArrowException, ValueError, KeyError) as e:
+        raise LogCorrupted(f"{where} is not a catalog of commits: {e}") from e
+    world = table["world_size"].to_numpy()
+    width = table["width"].to_numpy()
+    if not np.array_equal(np.diff(offsets), world * width) or np.any(width < HEAD):
+        raise LogCorrupted(f"{where}: a commit has a rank table of another shape")
+    odd = np.flatnonzero((np.diff(bounds) % 3 != 0) & has_lineage)
+    if odd.size:
+        k = int(odd[0])
+        raise LogCorrupted(
+            f"{where}: commit {table['id'][k].as_py()} has lineage ranges of "
+            f"{bounds[k + 1] - bounds[k]} values"
+        )
+    start, stop = flat
+    wrong = np.flatnonzero((start < 0) | (start >= stop))
+    if wrong.size:
+        k = int(skip_of[wrong[0]])
+        _skips(where, table["id"][k].as_py(), table["skips"][k].as_py())  # raises
+    return table
+
+
+def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
+    where = store.full(rel)
+    table = _catalog_table(store, rel, digest)
+    try:
         ranks = table["ranks"].combine_chunks()
         values = ranks.values.to_numpy()
         offsets = ranks.offsets.to_numpy()
@@ -299,10 +385,6 @@ def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
         cols["skips"] = table["skips"].to_pylist()
     except (pa.ArrowException, ValueError, KeyError) as e:
         raise LogCorrupted(f"{where} is not a catalog of commits: {e}") from e
-    sizes = np.diff(offsets)
-    worlds = np.asarray(cols["world_size"], np.int64)
-    if not np.array_equal(sizes, worlds * np.asarray(cols["width"], np.int64)):
-        raise LogCorrupted(f"{where}: a commit has a rank table of another shape")
     # One loop of plain values per commit (10^4 commits of a long history): no Arrow or
     # dict access inside it.
     with no_cycles():
@@ -426,9 +508,30 @@ def pieces(store: Store) -> dict[str, Piece]:
     key = ("pieces", store.uri)
     if cache is not None and key in cache:
         return cache[key]
-    out: dict[str, Piece] = {}
-    for c in list_compactions(store):
-        out.update(c.pieces)
+    table = piece_table(store)
+    rows = list(zip(*(table[k].to_pylist() for k in PLACED_SCHEMA.names), strict=True))
+    with no_cycles():
+        # Oldest compaction first, so that a newer one's piece of a path wins.
+        out = {
+            path: Piece(file, first_group, groups, n, digest, commit, first_row)
+            for path, file, first_group, groups, n, digest, commit, first_row in reversed(rows)
+        }
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def piece_table(store: Store) -> pa.Table:
+    """The pieces of every compaction of the root as columns (:data:`PLACED_SCHEMA`),
+    newest compaction first (a path is looked up at its first row), with no object per
+    piece: what the audit's views and scan use. Read once per command inside
+    :func:`ledger.commits.parse_once`."""
+    cache = command_cache()
+    key = ("piece_table", store.uri)
+    if cache is not None and key in cache:
+        return cache[key]
+    found = [c.placed for c in reversed(list_compactions(store))]
+    out = pa.concat_tables(found).combine_chunks() if found else PLACED_SCHEMA.empty_table()
     if cache is not None:
         cache[key] = out
     return out
@@ -638,7 +741,8 @@ def _compact(store: Store, before: str | None, target_rows: int, hook: Hook) -> 
     hook("marker")
     cache = command_cache()
     if cache is not None:
-        for name in ("pieces", "compactions", "catalog"):
+        dropped = ("pieces", "compactions", "catalog", "piece_table", "catalog_tables", "history")
+        for name in dropped:
             cache.pop((name, store.uri), None)
     for _, ref in todo:
         store.delete(ref.path)

@@ -106,8 +106,9 @@ from ledger.commits import (
     read_attempt,
     read_run,
 )
-from ledger.compaction import Piece, pieces
+from ledger.compaction import piece_table
 from ledger.errors import LogCorrupted
+from ledger.history import History, read_history
 from ledger.journal import uncommitted
 from ledger.schema import EVENT_SCHEMA, chunks_to_table
 from ledger.store import Store
@@ -213,13 +214,24 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     """
     store = Store(root)
     run = read_run(store)
-    commits = list_commits(store)
-    by_id = {c.id: c for c in commits}
-    if head is None:
-        newest = default_head(commits)
-        head = newest.id if newest is not None else None
-    chain = {c.id for c in lineage(store, head, known=by_id)} if head is not None else set()
-    tables = _tables(commits)
+    history = read_history(store)
+    at = None if history is None or head is None else history.index(head)
+    if history is not None and (head is None or at is not None):
+        # The columnar path: no Python object per commit (a compacted history of 10^4).
+        if at is None and len(history):
+            at = len(history) - 1  # the default head: the newest of the newest attempt
+        head = history.ids[at].as_py() if at is not None else None
+        chain = history.ids.take(pa.array(history.lineage(at))) if at is not None else _NONE
+        tables = _history_tables(history)
+    else:
+        commits = list_commits(store)
+        by_id = {c.id: c for c in commits}
+        if head is None:
+            newest = default_head(commits)
+            head = newest.id if newest is not None else None
+        ids = sorted(c.id for c in lineage(store, head, known=by_id)) if head is not None else []
+        chain = pa.array(ids, pa.string())
+        tables = _tables(commits)
     _check_segments_exist(store, tables.segments)
 
     # A private spill directory: the one place DuckDB may write once access is disabled.
@@ -230,7 +242,7 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     weakref.finalize(con, shutil.rmtree, scratch, True)
-    in_chain = pc.is_in(tables.segments["commit_id"], pa.array(sorted(chain), pa.string()))
+    in_chain = pc.is_in(tables.segments["commit_id"], value_set=chain)
     con.register("events", _events_dataset(store, tables.segments))
     con.register("lineage", _events_dataset(store, tables.segments.filter(in_chain)))
     con.register("commits", _with_lineage(tables.commits, chain, head))
@@ -269,29 +281,27 @@ class _Tables:
 
 def _tables(commits: list[Commit]) -> _Tables:
     """The tables of ``commits``: for version-2 commits (a rank table each) with numpy
-    over all their rank rows at once, no Python object per rank or segment; for logs
-    holding version-1 markers, commit by commit."""
-    if any(c.ranks is None for c in commits):
+    over all their rank rows at once (:func:`_history_tables`); for logs holding
+    version-1 markers, commit by commit."""
+    history = History.of(commits)
+    if history is None:
         return _Tables(_commit_rows(commits), _segments_table(commits), _states_table(commits))
-    n = len(commits)
-    tables = [c.ranks.rows for c in commits if c.ranks is not None]
-    worlds = np.fromiter((t.shape[0] for t in tables), np.int64, n)
-    rows = (
-        np.concatenate([t[:, :_RANK_HEAD] for t in tables])
-        if n
-        else np.zeros((0, _RANK_HEAD), np.int64)
-    )
-    of = np.repeat(np.arange(n), worlds)  # the commit of each rank row
-    starts = np.cumsum(worlds) - worlds
-    rank = np.arange(len(rows)) - starts[of]
-    ids = np.array([c.id for c in commits], dtype=object)
-    steps = np.fromiter((c.step for c in commits), np.int64, n)
-    attempts = np.fromiter((c.attempt for c in commits), np.int64, n)
+    return _history_tables(history)
+
+
+def _history_tables(h: History) -> _Tables:
+    """The tables of the commits of ``h``: numpy over all their rank rows at once, no
+    Python object per commit, rank or segment."""
+    n = len(h)
+    rows = h.rows
+    of, rank = h.rank_of_rows()
+    starts = h.starts[:-1]
+    ids = h.ids
     states = pa.table(
         [
-            pa.array(ids[of], pa.string()),
-            steps[of],
-            attempts[of].astype(np.int32),
+            ids.take(pa.array(of, pa.int64())),
+            h.step[of],
+            h.attempt[of].astype(np.int32),
             rank.astype(np.int32),
             rows[:, 10].astype(np.int32),
             rows[:, 11],
@@ -299,42 +309,22 @@ def _tables(commits: list[Commit]) -> _Tables:
         ],
         schema=_STATES_SCHEMA,
     )
-    wrote = np.flatnonzero(rows[:, 1] == 1)
-    at = of[wrote]
-    paths = [
-        f"events/attempt={a}/rank={r}/seg-{b:012d}.parquet"
-        for a, r, b in zip(
-            attempts[at].tolist(), rank[wrote].tolist(), rows[wrote, 12].tolist(), strict=True
-        )
-    ]
-    digests = np.ascontiguousarray(rows[wrote, 4:8], dtype="<i8").tobytes().hex()
-    segments = pa.table(
-        [
-            pa.array(ids[at], pa.string()),
-            steps[at],
-            attempts[at].astype(np.int32),
-            rank[wrote].astype(np.int32),
-            pa.array(paths, pa.string()),
-            rows[wrote, 2],
-            rows[wrote, 3],
-            pa.array([digests[64 * i : 64 * i + 64] for i in range(len(wrote))], pa.string()),
-        ],
-        schema=_SEGMENTS_SCHEMA,
-    )
+    segments = h.segments()
+    at = of[np.flatnonzero(rows[:, 1] == 1)]
     per = {
         "segments": np.bincount(at, minlength=n).astype(np.int32),
-        "rows": _sums(at, rows[wrote, 2], n),
-        "bytes": _sums(at, rows[wrote, 3], n),
+        "rows": _sums(at, segments["rows"].to_numpy(), n),
+        "bytes": _sums(at, segments["bytes"].to_numpy(), n),
     }
     first = rows[starts] if n else np.zeros((0, _RANK_HEAD), np.int64)
     table = pa.table(
         {
-            "commit_id": pa.array(ids, pa.string()),
-            "step": steps,
-            "attempt": attempts.astype(np.int32),
-            "parent": pa.array([c.parent for c in commits], pa.string()),
-            "world_size": pa.array([c.world_size for c in commits], pa.int32()),
-            "created_at": _timestamps(commits),
+            "commit_id": ids,
+            "step": h.step,
+            "attempt": h.attempt.astype(np.int32),
+            "parent": h.parent,
+            "world_size": h.world_size.astype(np.int32),
+            "created_at": _timestamps(h.created_at, ids),
             **per,
             "epoch": first[:, 10].astype(np.int32),
             "epoch_batch": first[:, 11],
@@ -347,15 +337,17 @@ def _tables(commits: list[Commit]) -> _Tables:
 _RANK_HEAD = 26
 """Leading columns of a rank table row that hold the state and segment (ledger.ranks)."""
 
+_NONE = pa.array([], pa.string())
+
 
 def _commit_rows(commits: list[Commit]) -> pa.Table:
     full = _commits_table(commits, set(), None)
     return full.drop_columns(["in_lineage", "is_head"])
 
 
-def _with_lineage(table: pa.Table, chain: set[str], head: str | None) -> pa.Table:
+def _with_lineage(table: pa.Table, chain: pa.Array, head: str | None) -> pa.Table:
     ids = table["commit_id"]
-    lineage = pc.is_in(ids, pa.array(sorted(chain), pa.string()))
+    lineage = pc.is_in(ids, value_set=chain)
     is_head = pc.equal(ids, pa.scalar(head, pa.string())) if head is not None else None
     if is_head is None:
         is_head = pa.array([False] * table.num_rows, pa.bool_())
@@ -364,16 +356,19 @@ def _with_lineage(table: pa.Table, chain: set[str], head: str | None) -> pa.Tabl
     )
 
 
-def _timestamps(commits: list[Commit]) -> pa.Array:
+def _timestamps(created: pa.Array, ids: pa.Array) -> pa.Array:
     """The commits' ``created_at`` as naive UTC timestamps, parsed by Arrow at once when
     every one carries its offset (as ledger writes them), else one by one."""
     try:
-        aware = pa.array([c.created_at for c in commits], pa.string()).cast(
-            pa.timestamp("us", "UTC")
-        )
-        return aware.cast(_TS)
+        return created.cast(pa.timestamp("us", "UTC")).cast(_TS)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-        return pa.array([_timestamp(c.created_at, f"commit {c.id}") for c in commits], _TS)
+        return pa.array(
+            [
+                _timestamp(t, f"commit {cid}")
+                for t, cid in zip(created.to_pylist(), ids.to_pylist(), strict=True)
+            ],
+            _TS,
+        )
 
 
 def _sums(at: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
@@ -392,6 +387,16 @@ def arrow_filesystem(store: Store) -> pafs.FileSystem:
     return pafs.PyFileSystem(pafs.FSSpecHandler(store.fs))
 
 
+def _placed(store: Store, paths: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, pa.Table]:
+    """Per path, its row in :func:`ledger.compaction.piece_table` (-1: not compacted),
+    and that table."""
+    table = piece_table(store)
+    if not table.num_rows:
+        return np.full(len(paths), -1, np.int64), table
+    at = pc.index_in(paths, value_set=table["path"]).fill_null(-1)
+    return np.asarray(at.to_numpy(), np.int64), table
+
+
 def _events_dataset(store: Store, segments: pa.Table) -> ds.Dataset:
     """One Arrow dataset over ``segments`` (rows of the ``segments`` view), with commit_id
     and step columns.
@@ -400,57 +405,70 @@ def _events_dataset(store: Store, segments: pa.Table) -> ds.Dataset:
     expression, which Arrow materialises as columns and uses to skip files on a filter
     over them. A segment retired by a compaction is read from the compacted file, whose
     rows carry the two columns: the whole file when every segment it holds is wanted,
-    else just the row groups of the wanted ones.
+    else just the row groups of the wanted ones. The compacted segments are found with
+    Arrow (no object per segment): a compacted history of 10^4 commits costs a few
+    vectorised passes.
     """
-    placed = pieces(store)
+    at, table = _placed(store, segments["path"])
     fmt = ds.ParquetFileFormat(
         read_options=ds.ParquetReadOptions(dictionary_columns=["kind", "commit_id"])
     )
     fs = arrow_filesystem(store)
     fragments: list[ds.Fragment] = []
-    wanted: dict[str, list[Piece]] = {}
-    for cid, step, path in zip(
-        segments["commit_id"].to_pylist(),
-        segments["step"].to_pylist(),
-        segments["path"].to_pylist(),
-        strict=True,
-    ):
-        piece = placed.get(path)
-        if piece is not None:
-            wanted.setdefault(piece.path, []).append(piece)
-            continue
+    own = np.flatnonzero(at < 0)
+    mine = segments.take(pa.array(own, pa.int64())).select(["commit_id", "step", "path"])
+    for cid, step, path in zip(*(mine[k].to_pylist() for k in mine.column_names), strict=True):
         where = (ds.field("commit_id") == cid) & (ds.field("step") == step)
         fragments.append(fmt.make_fragment(store.full(path), fs, partition_expression=where))
-    held: dict[str, int] = {}
-    for piece in placed.values():
-        held[piece.path] = held.get(piece.path, 0) + 1
+    wanted = at[at >= 0]
     partial: list[pa.Table] = []
-    for path, parts in wanted.items():
-        whole = fmt.make_fragment(store.full(path), fs)
-        if len(parts) == held[path]:
-            fragments.append(whole)
-        elif parts[0].first_row < 0:  # the old layout: each piece is its own row groups
-            whole.ensure_complete_metadata()
-            fragments.extend(whole.subset(row_group_ids=p.row_groups) for p in parts)
-        else:  # pieces share row groups: read the wanted rows now (a head before the end)
-            partial.append(_rows_of(whole, parts))
-    files = ds.FileSystemDataset(fragments, EVENTS_SCHEMA, fmt, fs)
+    if wanted.size:
+        files = table["file"].combine_chunks().dictionary_encode()
+        codes = files.indices.to_numpy()
+        held = np.bincount(codes, minlength=len(files.dictionary))
+        # The compacted files in the order their first wanted segment comes.
+        by_file = codes[wanted]
+        _, first = np.unique(by_file, return_index=True)
+        for code in by_file[np.sort(first)].tolist():
+            rows = wanted[by_file == code]
+            path = files.dictionary[code].as_py()
+            whole = fmt.make_fragment(store.full(path), fs)
+            parts = table.take(pa.array(rows, pa.int64()))
+            if len(rows) == held[code]:
+                fragments.append(whole)
+            elif parts["first_row"][0].as_py() < 0:  # the old layout: a piece per row groups
+                whole.ensure_complete_metadata()
+                fragments.extend(
+                    whole.subset(row_group_ids=list(range(g, g + n)))
+                    for g, n in zip(
+                        parts["first_group"].to_pylist(), parts["groups"].to_pylist(), strict=True
+                    )
+                )
+            else:  # pieces share row groups: read the wanted rows now (a head before the end)
+                partial.append(_rows_of(whole, parts))
+    files_ds = ds.FileSystemDataset(fragments, EVENTS_SCHEMA, fmt, fs)
     if not partial:
-        return files
-    return ds.dataset([files, ds.InMemoryDataset(pa.concat_tables(partial))])
+        return files_ds
+    return ds.dataset([files_ds, ds.InMemoryDataset(pa.concat_tables(partial))])
 
 
-def _rows_of(whole: ds.ParquetFileFragment, parts: list[Piece]) -> pa.Table:
-    """The rows of the pieces ``parts`` of one compacted file (new layout), in order."""
+def _rows_of(whole: ds.ParquetFileFragment, parts: pa.Table) -> pa.Table:
+    """The rows of the pieces ``parts`` (rows of :func:`ledger.compaction.piece_table`)
+    of one compacted file (new layout), in order."""
     meta = whole.metadata
     bounds = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
-    groups = sorted({g for p in parts for g in p.row_groups})
+    first_group = parts["first_group"].to_pylist()
+    groups_n = parts["groups"].to_pylist()
+    spans = zip(first_group, groups_n, strict=True)
+    groups = sorted({g for f, n in spans for g in range(f, f + n)})
     read = whole.subset(row_group_ids=groups).to_table(schema=EVENTS_SCHEMA)
     # Row k of the file is row offset[k] of what was read (only the groups read count).
     before = {g: int(sum(bounds[h + 1] - bounds[h] for h in groups if h < g)) for g in groups}
     taken = [
-        read.slice(before[p.first_group] + p.first_row - int(bounds[p.first_group]), p.rows)
-        for p in parts
+        read.slice(before[g] + first_row - int(bounds[g]), rows)
+        for g, first_row, rows in zip(
+            first_group, parts["first_row"].to_pylist(), parts["rows"].to_pylist(), strict=True
+        )
     ]
     return pa.concat_tables(taken)
 
@@ -458,22 +476,34 @@ def _rows_of(whole: ds.ParquetFileFragment, parts: list[Piece]) -> pa.Table:
 def _check_segments_exist(store: Store, segments: pa.Table) -> None:
     """Raise LogCorrupted if a segment named by a marker (a row of ``segments``) is
     missing (one listing per folder); a compacted segment must have its compacted file."""
-    placed = pieces(store)
+    at, table = _placed(store, segments["path"])
+    missing = np.zeros(len(at), np.bool_)
     listed: dict[str, set[str]] = {}
-    for cid, rel in zip(
-        segments["commit_id"].to_pylist(), segments["path"].to_pylist(), strict=True
-    ):
-        piece = placed.get(rel)
-        path = piece.path if piece is not None else rel
+
+    def absent(path: str) -> bool:
         folder, _, name = path.rpartition("/")
         if folder not in listed:
             listed[folder] = set(store.ls(folder))
-        if name not in listed[folder]:
-            held = f" (holding segment {rel})" if piece is not None else ""
-            raise LogCorrupted(
-                f"{'file' if piece else 'segment'} {store.full(path)}{held} named by commit "
-                f"{cid} is missing: the log lost a committed file; restore it from a backup"
-            )
+        return name not in listed[folder]
+
+    own = np.flatnonzero(at < 0)
+    for k, rel in zip(own.tolist(), segments["path"].take(pa.array(own)).to_pylist(), strict=True):
+        missing[k] = absent(rel)
+    placed = np.flatnonzero(at >= 0)
+    if placed.size:
+        files = table["file"].combine_chunks().dictionary_encode()
+        gone = np.array([absent(f) for f in files.dictionary.to_pylist()], np.bool_)
+        missing[placed] = gone[files.indices.to_numpy()[at[placed]]]
+    if missing.any():
+        k = int(np.flatnonzero(missing)[0])
+        rel = segments["path"][k].as_py()
+        cid = segments["commit_id"][k].as_py()
+        path = table["file"][int(at[k])].as_py() if at[k] >= 0 else rel
+        held = f" (holding segment {rel})" if at[k] >= 0 else ""
+        raise LogCorrupted(
+            f"{'file' if at[k] >= 0 else 'segment'} {store.full(path)}{held} named by commit "
+            f"{cid} is missing: the log lost a committed file; restore it from a backup"
+        )
 
 
 def _timestamp(value: Any, where: str) -> datetime | None:

@@ -1,0 +1,278 @@
+"""Every commit of a log root as columns: the audit's path with no Python object per commit.
+
+:func:`ledger.commits.list_commits` gives one :class:`~ledger.commits.Commit` per marker,
+which resume and compaction need. The audit's views (:mod:`ledger.audit.views`) and its
+scan (:mod:`ledger.audit.scan`) need only columns: each commit's header and the leading
+26 integers of each rank row (state and segment, :mod:`ledger.ranks`). A
+:class:`History` holds exactly those, as numpy and Arrow arrays. :func:`read_history`
+builds it from the listing of ``commits/``, taking the commits a compaction's catalog
+holds straight from the catalog's columns (:func:`ledger.compaction.catalog_tables`) and
+parsing only the markers written since; so the views of a compacted history of 10^4
+commits cost a few numpy passes instead of 10^4 ``Commit`` objects, their segment
+references and pieces.
+
+Logs holding a version-1 marker (segments and states inline in JSON) have no rank rows:
+for them :func:`read_history` returns ``None`` and callers take the object path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ledger.commits import Commit, _commit_names, command_cache, read_commit
+from ledger.errors import LogCorrupted
+from ledger.store import Store
+
+HEAD = 26
+"""Leading columns of a rank row that hold the state and the segments (ledger.ranks)."""
+
+SEGMENTS_SCHEMA = pa.schema(
+    [
+        ("commit_id", pa.string()),
+        ("step", pa.int64()),
+        ("attempt", pa.int32()),
+        ("rank", pa.int32()),
+        ("path", pa.string()),
+        ("rows", pa.int64()),
+        ("bytes", pa.int64()),
+        ("sha256", pa.string()),
+    ]
+)
+"""One row per segment named by a marker (the ``segments`` view of the audit)."""
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """Commits as columns, in the order of :func:`ledger.commits.list_commits` (by
+    attempt, then step) unless built from a list in another order (:meth:`of`).
+
+    Attributes:
+        ids: commit ids, ``string (C,)``.
+        step: ``int64 (C,)``.
+        attempt: ``int64 (C,)``.
+        parent: parent ids, ``string (C,)``, null for a first commit.
+        world_size: ``int64 (C,)``.
+        created_at: ISO 8601 times, ``string (C,)``.
+        starts: ``int64 (C + 1,)``: commit ``k``'s rank rows are
+            ``rows[starts[k]:starts[k + 1]]``, rank ``r`` at ``starts[k] + r``.
+        rows: ``int64 (R, 26)``: the leading columns of every rank row.
+    """
+
+    ids: pa.Array
+    step: np.ndarray
+    attempt: np.ndarray
+    parent: pa.Array
+    world_size: np.ndarray
+    created_at: pa.Array
+    starts: np.ndarray
+    rows: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    @classmethod
+    def of(cls, commits: Sequence[Commit]) -> History | None:
+        """The columns of ``commits`` (in their order); ``None`` if one is a version-1
+        commit (no rank table)."""
+        tables = [c.ranks.rows for c in commits if c.ranks is not None]
+        if len(tables) != len(commits):
+            return None
+        n = len(commits)
+        sizes = np.fromiter((len(t) for t in tables), np.int64, n)
+        rows = np.concatenate([t[:, :HEAD] for t in tables]) if n else np.zeros((0, HEAD), np.int64)
+        return cls(
+            pa.array([c.id for c in commits], pa.string()),
+            np.fromiter((c.step for c in commits), np.int64, n),
+            np.fromiter((c.attempt for c in commits), np.int64, n),
+            pa.array([c.parent for c in commits], pa.string()),
+            np.fromiter((c.world_size for c in commits), np.int64, n),
+            pa.array([c.created_at for c in commits], pa.string()),
+            np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+            rows,
+        )
+
+    def take(self, order: np.ndarray) -> History:
+        """The commits at the indexes ``order`` (``int64``), in that order."""
+        sizes = np.diff(self.starts)[order]
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        rows = self.rows[_ranges(self.starts[order], sizes)]
+        indices = pa.array(order, pa.int64())
+        return History(
+            self.ids.take(indices),
+            self.step[order],
+            self.attempt[order],
+            self.parent.take(indices),
+            self.world_size[order],
+            self.created_at.take(indices),
+            starts,
+            rows,
+        )
+
+    def index(self, cid: str) -> int | None:
+        """Position of commit ``cid`` (``None``: not among these commits)."""
+        at = pc.index(self.ids, pa.scalar(cid, pa.string())).as_py()
+        return None if at < 0 else int(at)
+
+    def lineage(self, head: int) -> np.ndarray:
+        """Positions of the commits of the lineage of commit ``head``, oldest first.
+
+        Raises:
+            LogCorrupted: if a parent is not among these commits, or the chain loops (the
+                words of :func:`ledger.commits.lineage`).
+        """
+        parents = pc.index_in(self.parent, value_set=self.ids).fill_null(-1).to_numpy()
+        named = self.parent.is_valid().to_numpy(zero_copy_only=False)
+        up = parents.tolist()
+        seen = np.zeros(len(self), np.bool_)
+        chain = []
+        k = head
+        while True:
+            if seen[k]:
+                raise LogCorrupted(f"commit chain loops at {self.ids[k].as_py()}")
+            seen[k] = True
+            chain.append(k)
+            if not named[k]:
+                break
+            if up[k] < 0:
+                raise LogCorrupted(
+                    f"commit {self.ids[k].as_py()} names parent {self.parent[k].as_py()}, "
+                    "which does not exist"
+                )
+            k = up[k]
+        return np.asarray(chain[::-1], np.int64)
+
+    def rank_of_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank row, its commit's position and its rank (``int64 (R,)`` each)."""
+        sizes = np.diff(self.starts)
+        of = np.repeat(np.arange(len(self)), sizes)
+        return of, np.arange(len(self.rows)) - self.starts[of]
+
+    def segments(self) -> pa.Table:
+        """One row per segment written at these commits (:data:`SEGMENTS_SCHEMA`),
+        commit by commit, in rank order: numpy over every rank row at once."""
+        of, rank = self.rank_of_rows()
+        wrote = np.flatnonzero(self.rows[:, 1] == 1)
+        at = of[wrote]
+        attempts = self.attempt[at]
+        paths = [
+            f"events/attempt={a}/rank={r}/seg-{b:012d}.parquet"
+            for a, r, b in zip(
+                attempts.tolist(), rank[wrote].tolist(), self.rows[wrote, 12].tolist(), strict=True
+            )
+        ]
+        digests = np.ascontiguousarray(self.rows[wrote, 4:8], dtype="<i8").tobytes().hex()
+        hexed = pa.array([digests[64 * i : 64 * i + 64] for i in range(len(wrote))], pa.string())
+        return pa.table(
+            [
+                self.ids.take(pa.array(at, pa.int64())),
+                self.step[at],
+                attempts.astype(np.int32),
+                rank[wrote].astype(np.int32),
+                pa.array(paths, pa.string()),
+                self.rows[wrote, 2],
+                self.rows[wrote, 3],
+                hexed,
+            ],
+            schema=SEGMENTS_SCHEMA,
+        )
+
+
+def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The indexes ``starts[k] .. starts[k] + sizes[k] - 1`` of every ``k``, in order."""
+    total = int(sizes.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    of = np.repeat(np.arange(len(sizes)), sizes)
+    first = np.cumsum(sizes) - sizes
+    return (starts[of] + np.arange(total) - first[of]).astype(np.int64)
+
+
+def read_history(store: Store) -> History | None:
+    """Every commit under the root as columns, by attempt then step: the commits
+    :func:`ledger.commits.list_commits` gives, from the same files (the listing of
+    ``commits/`` says which exist; a catalogued commit comes from its compaction's
+    catalog, any other from its marker). ``None`` when a marker is of version 1. Read once
+    per command inside :func:`ledger.commits.parse_once`.
+
+    Raises:
+        LogCorrupted: if a marker or a catalog is damaged (as :func:`list_commits`).
+    """
+    from ledger.compaction import catalog_tables  # compaction imports ledger.commits
+
+    cache = command_cache()
+    key = ("history", store.uri)
+    if cache is not None and key in cache:
+        return cache[key]
+    listed = pa.array(_commit_names(store.ls("commits")), pa.string())
+    parts: list[History] = []
+    rest = listed
+    for table in catalog_tables(store):
+        if not len(rest):
+            break
+        at = pc.index_in(rest, value_set=table["id"]).fill_null(-1).to_numpy()
+        held = at >= 0
+        if held.any():
+            parts.append(_from_catalog(table, at[held]))
+            rest = rest.filter(pa.array(~held))
+    commits = [read_commit(store, cid) for cid in rest.to_pylist()]
+    own = History.of(commits)
+    if own is None:
+        out = None
+    else:
+        whole = _concat([*parts, own])
+        out = whole.take(np.lexsort((whole.step, whole.attempt)))
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def _from_catalog(table: pa.Table, at: np.ndarray) -> History:
+    """The catalog's commits at rows ``at``, as columns (checked by
+    :func:`ledger.compaction.catalog_tables`)."""
+    take = pa.array(at, pa.int64())
+    picked = table.take(take)
+    ranks = table["ranks"].combine_chunks()
+    values = ranks.values.to_numpy()
+    offsets = ranks.offsets.to_numpy()
+    world = picked["world_size"].to_numpy()
+    width = picked["width"].to_numpy()
+    # Rank row r of commit k starts at offsets[k] + r * width[k]; take its HEAD columns.
+    starts = np.concatenate([[0], np.cumsum(world)]).astype(np.int64)
+    of = np.repeat(np.arange(len(at)), world)
+    rank = np.arange(int(starts[-1])) - starts[of]
+    first = offsets[at][of] + rank * width[of]
+    rows = values[first[:, None] + np.arange(HEAD)]
+    return History(
+        picked["id"].combine_chunks(),
+        picked["step"].to_numpy(),
+        picked["attempt"].to_numpy(),
+        picked["parent"].combine_chunks(),
+        world,
+        picked["created_at"].combine_chunks(),
+        starts,
+        rows.reshape(-1, HEAD),
+    )
+
+
+def _concat(parts: list[History]) -> History:
+    if len(parts) == 1:
+        return parts[0]
+    sizes = np.concatenate([np.diff(p.starts) for p in parts])
+    return History(
+        pa.concat_arrays([p.ids for p in parts]),
+        np.concatenate([p.step for p in parts]),
+        np.concatenate([p.attempt for p in parts]),
+        pa.concat_arrays([p.parent for p in parts]),
+        np.concatenate([p.world_size for p in parts]),
+        pa.concat_arrays([p.created_at for p in parts]),
+        np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+        np.concatenate([p.rows for p in parts]),
+    )
+
+
+__all__ = ["History", "read_history"]
