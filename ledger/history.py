@@ -126,15 +126,15 @@ class History:
                 words of :func:`ledger.commits.lineage`).
         """
         parents = pc.index_in(self.parent, value_set=self.ids).fill_null(-1).to_numpy()
-        named = self.parent.is_valid().to_numpy(zero_copy_only=False)
+        named = self.parent.is_valid().to_numpy(zero_copy_only=False).tolist()
         up = parents.tolist()
-        seen = np.zeros(len(self), np.bool_)
+        seen = bytearray(len(self))
         chain = []
         k = head
         while True:
             if seen[k]:
                 raise LogCorrupted(f"commit chain loops at {self.ids[k].as_py()}")
-            seen[k] = True
+            seen[k] = 1
             chain.append(k)
             if not named[k]:
                 break
@@ -159,27 +159,42 @@ class History:
         wrote = np.flatnonzero(self.rows[:, 1] == 1)
         at = of[wrote]
         attempts = self.attempt[at]
-        paths = [
-            f"events/attempt={a}/rank={r}/seg-{b:012d}.parquet"
-            for a, r, b in zip(
-                attempts.tolist(), rank[wrote].tolist(), self.rows[wrote, 12].tolist(), strict=True
-            )
-        ]
-        digests = np.ascontiguousarray(self.rows[wrote, 4:8], dtype="<i8").tobytes().hex()
-        hexed = pa.array([digests[64 * i : 64 * i + 64] for i in range(len(wrote))], pa.string())
+        # ledger.segments.segment_path of each, by Arrow's string kernels.
+        paths = pc.binary_join_element_wise(
+            "events/attempt=",
+            pa.array(attempts).cast(pa.string()),
+            "/rank=",
+            pa.array(rank[wrote]).cast(pa.string()),
+            "/seg-",
+            pc.utf8_lpad(pa.array(self.rows[wrote, 12]).cast(pa.string()), 12, "0"),
+            ".parquet",
+            "",
+        )
+        hexed = _hex(self.rows[wrote, 4:8])
         return pa.table(
             [
                 self.ids.take(pa.array(at, pa.int64())),
                 self.step[at],
                 attempts.astype(np.int32),
                 rank[wrote].astype(np.int32),
-                pa.array(paths, pa.string()),
+                paths,
                 self.rows[wrote, 2],
                 self.rows[wrote, 3],
                 hexed,
             ],
             schema=SEGMENTS_SCHEMA,
         )
+
+
+_HEX = np.array([f"{i:02x}".encode() for i in range(256)], "S2")
+
+
+def _hex(values: np.ndarray) -> pa.Array:
+    """Each row of ``int64 (n, 4)`` as the 64 hex digits of its 32 little-endian bytes (a
+    SHA-256 as the rank table holds it), with numpy: no string per row in Python."""
+    raw = np.ascontiguousarray(values, dtype="<i8").view(np.uint8).reshape(len(values), 32)
+    digits = np.ascontiguousarray(_HEX[raw]).view("S64").reshape(len(values))
+    return pa.array(digits, pa.binary(64)).cast(pa.string())
 
 
 def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:

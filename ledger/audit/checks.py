@@ -13,11 +13,12 @@ from typing import Any
 
 import duckdb
 import numpy as np
+import pyarrow.compute as pc
 
 from ledger import manifest
 from ledger.audit.mixture import check_mixture
 from ledger.audit.names import ALL_CHECKS, CHECKS
-from ledger.audit.scan import Progress, ScanResult, scan
+from ledger.audit.scan import Progress, ScanResult, scan_segments, segment_jobs
 from ledger.audit.summary import (
     Summary,
     finished_epochs,
@@ -391,31 +392,31 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
     other = [c for c in by_step if c.id not in chain]
     problems: dict[int, str] = {}
     scanned: ScanResult | None = None
+    jobs = segment_jobs(counted, other)
     try:
-        scanned = scan(
+        scanned = scan_segments(
             store,
-            counted,
-            other,
+            jobs,
             dataset_len=int(config.get("dataset_len") or 0),
             packed=bool(config.get("packer")),
             progress=progress,
             problems=problems,
             key="position" if "mixture" in config else "sample_id",  # see summary.counts
         )
-        # In the words and order of the markers (by attempt, then step).
-        jobs = [(c, k) for c in counted + other for k in range(len(c.segments))]
-        order = sorted(problems, key=lambda i: (jobs[i][0].attempt, jobs[i][0].step, jobs[i][1]))
+        # In the words and order of the markers (by attempt, then step, then rank).
+        key = {name: jobs[name].to_numpy() for name in ("attempt", "step", "rank")}
+        order = sorted(problems, key=lambda i: (key["attempt"][i], key["step"][i], key["rank"][i]))
         bad = [problems[i] for i in order]
     except LogCorrupted as e:  # two markers name one segment
         bad = [str(e)]
-    refs = [s for c in commits for s in c.segments]
-    events = sum(s.rows for s in refs)
-    nbytes = sum(s.bytes for s in refs)
+    segments = jobs.num_rows
+    events = int(pc.sum(jobs["rows"]).as_py() or 0)
+    nbytes = int(pc.sum(jobs["bytes"]).as_py() or 0)
     results.append(
         CheckResult("segments", False, f"{len(bad)} bad: " + "; ".join(bad[:3]))
         if bad
         else CheckResult(
-            "segments", True, f"{len(refs)} segments match their markers ({events} events)"
+            "segments", True, f"{segments} segments match their markers ({events} events)"
         )
     )
     if results[1].ok and not bad and scanned is not None:
@@ -433,7 +434,7 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
         )
     )
     results.append(_manifest(store, commits))
-    return Verification(tuple(results), len(refs), events, nbytes)
+    return Verification(tuple(results), segments, events, nbytes)
 
 
 def _manifest(store: Store, commits: list[Commit]) -> CheckResult:

@@ -11,6 +11,7 @@ ids in one byte-per-id numpy bitmap per epoch: ``seen[ids] = True``, then one
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -23,9 +24,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ledger.commits import Commit, SegmentRef, prefetch_segments
-from ledger.compaction import Piece, list_compactions, pieces
+from ledger.commits import Commit, SegmentRef
+from ledger.compaction import Piece, list_compactions, piece_table, pieces
 from ledger.errors import LogCorrupted
+from ledger.history import SEGMENTS_SCHEMA, History
 from ledger.schema import ERROR, EVENT_COLUMN_SETS, EVENT_SCHEMA, ROLLBACK, SAMPLE, SKIP, SPAN
 from ledger.segments import open_segment
 from ledger.store import Store, sha256
@@ -181,6 +183,52 @@ def scan(
     store: Store,
     counted: Iterable[Commit],
     other: Iterable[Commit] = (),
+    **options: Any,
+) -> ScanResult:
+    """Count the segments of ``counted`` per epoch, and every segment's events: the
+    segments of the commits, in order (:func:`segment_jobs`), scanned by
+    :func:`scan_segments` (whose keyword arguments ``options`` are)."""
+    return scan_segments(store, segment_jobs(list(counted), list(other)), **options)
+
+
+JOBS_SCHEMA = pa.schema([*SEGMENTS_SCHEMA, ("counted", pa.bool_())])
+"""Columns of a scan's jobs, one row per segment, in scan order: the ``segments`` view's
+columns and ``counted`` (its commit is one whose events are counted per epoch)."""
+
+
+def segment_jobs(counted: list[Commit], other: list[Commit]) -> pa.Table:
+    """The segments of ``counted`` then ``other``, commit by commit in rank order, as a
+    scan's jobs (:data:`JOBS_SCHEMA`): numpy over their rank tables, no object per segment
+    (version-1 commits: from their references)."""
+    commits = counted + other
+    history = History.of(commits)
+    if history is not None:
+        table = history.segments()
+    else:
+        table = pa.Table.from_pylist(
+            [
+                {
+                    "commit_id": c.id,
+                    "step": c.step,
+                    "attempt": c.attempt,
+                    "rank": s.rank,
+                    "path": s.path,
+                    "rows": s.rows,
+                    "bytes": s.bytes,
+                    "sha256": s.sha256,
+                }
+                for c in commits
+                for s in c.segments
+            ],
+            schema=SEGMENTS_SCHEMA,
+        )
+    ids = pa.array([c.id for c in counted], pa.string())
+    return table.append_column("counted", pc.is_in(table["commit_id"], value_set=ids))
+
+
+def scan_segments(
+    store: Store,
+    jobs: pa.Table,
     *,
     dataset_len: int,
     packed: bool = False,
@@ -189,18 +237,19 @@ def scan(
     problems: dict[int, str] | None = None,
     key: str = "sample_id",
 ) -> ScanResult:
-    """Count the segments of ``counted`` per epoch, and every segment's events.
+    """Count the segments ``jobs`` (:data:`JOBS_SCHEMA`) per epoch where ``counted``, and
+    every segment's events.
 
     Segments are read ahead by a thread pool (:func:`_read_units`); their rows are
     counted a chunk of many segments at a time (about 10^6 rows), so the work per segment
     in Python is a few array slices, not a pass of its own. The pieces of a compacted
-    file that the scan reads in a row are read as one table.
+    file that the scan reads in a row are read as one table; which they are is found with
+    numpy over the jobs' columns (no object per segment).
 
     Args:
         store: the log root.
-        counted: commits whose events are counted per epoch (a lineage, in order).
-        other: further commits whose segments are counted per segment only (abandoned
-            branches).
+        jobs: the segments, counted commits' first (a lineage, in order), then further
+            commits' (abandoned branches), counted per segment only.
         dataset_len: ids must lie in ``[0, dataset_len)``.
         packed: the run packs samples (has ``span`` events; their ``token_start`` column is
             then read too, to count a packed sample once).
@@ -208,41 +257,37 @@ def scan(
         threads: files read ahead at once (default 4).
         problems: when given (``ledger verify``), a segment that is missing or differs
             from its marker is not an error: the problem is recorded here, by the
-            segment's index in the scan (counted commits' segments first), in the words
-            of :func:`check_segment`, and the segment is left out of the counts.
+            segment's row in ``jobs``, in the words of :func:`check_segment`, and the
+            segment is left out of the counts.
         key: the column counted once per epoch: ``sample_id``, or for a mixture
             (whose sources repeat by design) ``position``, in ``[0, dataset_len)`` too.
 
     Returns:
-        Per epoch of ``counted``, and per segment of both (in the order given).
+        Per epoch of the counted commits, and per segment of all (in the order given).
 
     Raises:
-        LogCorrupted: if a segment is missing, unreadable, of another size, SHA-256 or
-            row count than its marker says (each file is hashed as it is read), or holds
-            an id outside ``[0, dataset_len)``.
+        LogCorrupted: if two jobs name one segment, a segment is missing, unreadable, of
+            another size, SHA-256 or row count than its marker says (each file is hashed
+            as it is read), or holds an id outside ``[0, dataset_len)``.
     """
-    counted, other = list(counted), list(other)
-    prefetch_segments(counted + other)
-    jobs = [(c, True, s) for c in counted for s in c.segments] + [
-        (c, False, s) for c in other for s in c.segments
-    ]
-    if len({s.path for _, _, s in jobs}) != len(jobs):
+    if pc.count_distinct(jobs["path"]).as_py() != jobs.num_rows:
         raise LogCorrupted("two markers name the same segment: the commit chain is damaged")
-    counter = _Counter(store, jobs, dataset_len, keep_going=problems is not None, key=key)
+    plan = _Plan(store, jobs)
+    counter = _Counter(store, plan, dataset_len, keep_going=problems is not None, key=key)
     columns = ["epoch", "kind", "sample_id", "position"] + (["token_start"] if packed else [])
     buffered: list[_Unit] = []
     rows = done = 0
-    for unit in _read_units(store, jobs, columns, threads, problems):
+    for unit in _read_units(store, plan, columns, threads, problems):
         if buffered and (
-            jobs[unit.jobs[0]][1] != jobs[buffered[0].jobs[0]][1] or rows >= _CHUNK_ROWS
+            plan.counted[unit.lo] != plan.counted[buffered[0].lo] or rows >= _CHUNK_ROWS
         ):
             counter.add(buffered)
             buffered, rows = [], 0
         buffered.append(unit)
         rows += unit.table.num_rows if unit.table is not None else 0
-        done += len(unit.jobs)
+        done += unit.hi - unit.lo
         if progress is not None:
-            progress(done, len(jobs))
+            progress(done, plan.n)
     counter.add(buffered)
     return counter.result(packed)
 
@@ -251,18 +296,88 @@ _CHUNK_ROWS = 1 << 20
 """Rows counted at once: enough to make the per-chunk work negligible per segment."""
 
 
-@dataclass(slots=True)
-class _Unit:
-    """Rows of one or more consecutive jobs of a scan, read as one table.
+class _Plan:
+    """A scan's jobs as numpy columns, with where each compacted segment's rows are.
 
     Attributes:
-        jobs: indexes of the jobs (segments) whose rows the table holds, in row order.
-        rows: rows of each job (as its marker names them).
-        table: the rows; ``None`` when the jobs' file failed a check (``problems``).
+        jobs: the jobs table (:data:`JOBS_SCHEMA`).
+        n: jobs.
+        counted: ``bool (n,)``.
+        rows: ``int64 (n,)``: rows of each segment, as its marker names them.
+        at: ``int64 (n,)``: the segment's row in ``pieces`` (-1: a file of its own).
+        pieces: :func:`ledger.compaction.piece_table`.
+        units: ``int64 (u + 1,)``: unit ``k`` is the jobs ``[units[k], units[k + 1])``.
     """
 
-    jobs: list[int]
-    rows: list[int]
+    def __init__(self, store: Store, jobs: pa.Table) -> None:
+        self.jobs = jobs
+        self.n = n = jobs.num_rows
+        self.counted = jobs["counted"].to_numpy(zero_copy_only=False).astype(np.bool_)
+        self.rows = jobs["rows"].to_numpy()
+        self.pieces = table = piece_table(store)
+        if table.num_rows and n:
+            at = pc.index_in(jobs["path"], value_set=table["path"]).fill_null(-1)
+            self.at = np.asarray(at.to_numpy(), np.int64)
+        else:
+            self.at = np.full(n, -1, np.int64)
+        placed = self.at >= 0
+        self.placed = placed
+        self.mismatch = np.zeros(n, np.bool_)
+        breaks = np.ones(n, np.bool_)
+        if n > 1:
+            same = self.counted[1:] == self.counted[:-1]
+            own = ~placed[1:] & ~placed[:-1]
+            joins = same & own
+            if placed.any():
+                take = pa.array(self.at, mask=~placed)
+                piece = table.take(take)
+                for name in ("sha256", "rows", "commit_id"):
+                    differs = pc.not_equal(piece[name], jobs[name]).fill_null(False)
+                    self.mismatch |= differs.to_numpy(zero_copy_only=False)
+                file = piece["file"].combine_chunks().dictionary_encode().indices
+                code = file.fill_null(-1).to_numpy(zero_copy_only=False)
+                first_row = piece["first_row"].fill_null(0).to_numpy()
+                first_group = piece["first_group"].fill_null(0).to_numpy()
+                groups = piece["groups"].fill_null(0).to_numpy()
+                prows = piece["rows"].fill_null(0).to_numpy()
+                new = first_row[1:] >= 0
+                follows = np.where(
+                    new & (first_row[:-1] >= 0),
+                    first_row[1:] == first_row[:-1] + prows[:-1],
+                    ~new & (first_group[1:] == first_group[:-1] + groups[:-1]),
+                )
+                both = placed[1:] & placed[:-1] & (code[1:] == code[:-1])
+                joins |= same & both & follows
+            breaks[1:] = ~joins
+            # Segments of their own: a few dozen per unit (a future and a chunk each).
+            index = np.arange(n)
+            start = np.maximum.accumulate(np.where(breaks, index, 0))
+            breaks |= ~placed & ((index - start) % _PER_UNIT == 0)
+        self.units = np.concatenate([np.flatnonzero(breaks), [n]]).astype(np.int64)
+
+    def path(self, i: int) -> str:
+        return str(self.jobs["path"][i].as_py())
+
+    def refs(self, lo: int, hi: int) -> list[tuple[str, int, SegmentRef]]:
+        """``(commit id, attempt, segment)`` of the jobs ``[lo, hi)``."""
+        part = self.jobs.slice(lo, hi - lo).to_pydict()
+        return [
+            (cid, attempt, SegmentRef(rank, path, rows, size, digest))
+            for cid, attempt, rank, path, rows, size, digest in zip(
+                *(part[k] for k in ("commit_id", "attempt", "rank", "path", "rows", "bytes")),
+                part["sha256"],
+                strict=True,
+            )
+        ]
+
+
+@dataclass(slots=True)
+class _Unit:
+    """Rows of the consecutive jobs ``[lo, hi)`` of a scan, read as one table (``None``
+    when the jobs' file failed a check: ``problems``)."""
+
+    lo: int
+    hi: int
     table: pa.Table | None
 
 
@@ -272,18 +387,18 @@ class _Counter:
     def __init__(
         self,
         store: Store,
-        jobs: list[tuple[Commit, bool, SegmentRef]],
+        plan: _Plan,
         dataset_len: int,
         keep_going: bool,
         key: str = "sample_id",
     ) -> None:
         self.store = store
         self.key = key
-        self.jobs = jobs
+        self.plan = plan
         self.dataset_len = dataset_len
-        self.events = np.zeros(len(jobs), np.int64)
-        self.samples = np.zeros(len(jobs), np.int64)
-        self.last_epoch = np.full(len(jobs), -1, np.int64)
+        self.events = np.zeros(plan.n, np.int64)
+        self.samples = np.zeros(plan.n, np.int64)
+        self.last_epoch = np.full(plan.n, -1, np.int64)
         self.epochs: dict[int, EpochCounts] = {}
         self.ids: dict[int, tuple[_Ids, _Ids]] = {}
         self.last_positions: dict[int, int] = {}
@@ -291,20 +406,21 @@ class _Counter:
         self.keep_going = keep_going
 
     def add(self, units: list[_Unit]) -> None:
-        tables = [u.table for u in units if u.table is not None and u.table.num_rows]
         units = [u for u in units if u.table is not None and u.table.num_rows]
+        tables = [u.table for u in units if u.table is not None]
         if not units:
             return
-        index = np.fromiter((j for u in units for j in u.jobs), np.int64)
-        counts = np.fromiter((n for u in units for n in u.rows), np.int64)
+        index = np.concatenate([np.arange(u.lo, u.hi) for u in units])
+        counts = self.plan.rows[index]
         # One dictionary for 'kind' across the files, then one chunk per column.
         table = pa.concat_tables(tables).unify_dictionaries().combine_chunks()
         job = np.repeat(index, counts)  # the job (segment) of each row
         self.events[index] += counts  # a job is in one unit: no index repeats
         batch = table.to_batches()[0]
         consumed, skipped, errors, rolled = _kinds(batch)
-        if not self.jobs[int(index[0])][1]:  # abandoned branches: per-segment counts only
-            self.samples += np.bincount(job[consumed], minlength=len(self.jobs))
+        n = self.plan.n
+        if not self.plan.counted[units[0].lo]:  # abandoned branches: per-segment counts only
+            self.samples += np.bincount(job[consumed], minlength=n)
             return
         epoch = batch.column("epoch").to_numpy()
         ids = batch.column(self.key).to_numpy()
@@ -317,14 +433,14 @@ class _Counter:
             return
         if outside.any():
             row = int(np.flatnonzero(outside)[0])
-            where = self.store.full(self.jobs[int(job[row])][2].path)
+            where = self.store.full(self.plan.path(int(job[row])))
             self.error = (
                 f"{where} holds sample id {ids[row]}, outside the dataset's [0, {self.dataset_len})"
             )
             if not self.keep_going:
                 raise LogCorrupted(self.error)
             return
-        self.samples += np.bincount(job[consumed], minlength=len(self.jobs))
+        self.samples += np.bincount(job[consumed], minlength=n)
         _fold_max(self.last_epoch, job[consumed], epoch[consumed])
         position = batch.column("position").to_numpy()
         for e in np.unique(epoch[either]).tolist():
@@ -349,18 +465,16 @@ class _Counter:
 
     def result(self, packed: bool) -> ScanResult:
         result = ScanResult(packed=packed, error=self.error)
-        # Columns, not an object per segment: 10^4 segments of a long history.
-        commits = [c for c, _, _ in self.jobs]
-        refs = [ref for _, _, ref in self.jobs]
+        jobs = self.plan.jobs
         result.segments = pa.table(
             [
-                pa.array([c.id for c in commits], pa.string()),
-                pa.array([c.step for c in commits], pa.int64()),
-                pa.array([c.attempt for c in commits], pa.int32()),
-                pa.array([ref.rank for ref in refs], pa.int32()),
+                jobs["commit_id"],
+                jobs["step"],
+                jobs["attempt"],
+                jobs["rank"],
                 self.events,
                 self.samples,
-                pa.array([ref.path for ref in refs], pa.string()),
+                jobs["path"],
                 self.last_epoch,
             ],
             schema=SEGMENT_COUNTS,
@@ -390,7 +504,7 @@ def _fold_max(out: np.ndarray, at: np.ndarray, values: np.ndarray) -> None:
 
 def _read_units(
     store: Store,
-    jobs: list[tuple[Commit, bool, SegmentRef]],
+    plan: _Plan,
     columns: list[str],
     threads: int | None,
     problems: dict[int, str] | None,
@@ -403,61 +517,45 @@ def _read_units(
     fails a check comes with no table and its problem recorded (see :func:`scan`).
     """
     want = pa.schema([EVENT_SCHEMA.field(c) for c in columns])
-    placed = pieces(store)
     compacted = _CompactedFiles(store)
-    groups: list[list[int]] = []
-    last: Piece | None = None
-    for i, (_, counted, ref) in enumerate(jobs):
-        piece = placed.get(ref.path)
-        same = i > 0 and counted == jobs[i - 1][1]
-        if same and piece is not None and last is not None:
-            joins = piece.path == last.path and _follows(piece, last)
-        else:  # segments of their own: a few dozen per unit (a future and a chunk each)
-            joins = same and piece is None and last is None and len(groups[-1]) < _PER_UNIT
-        if joins:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-        last = piece
 
-    def load(group: list[int]) -> _Unit:
-        refs = [jobs[i][2] for i in group]
-        rows = [ref.rows for ref in refs]
+    def load(lo: int, hi: int) -> _Unit:
+        rows = int(plan.rows[lo:hi].sum())
         try:
-            if refs[0].path not in placed:
-                table = _segment_tables(store, [jobs[i] for i in group], columns, want, problems)
+            if not plan.placed[lo]:
+                table = _segment_tables(store, plan.refs(lo, hi), columns, want, problems)
             else:
-                held = [placed[ref.path] for ref in refs]
-                table = compacted.read_run(held, [jobs[i][0] for i in group], refs, columns)
-            if table.num_rows != sum(rows):  # each check above makes this unreachable
+                table = compacted.read_run(plan, lo, hi, columns)
+            if table.num_rows != rows:  # each check above makes this unreachable
                 raise LogCorrupted(
-                    f"segment {store.full(refs[0].path)} and the {len(refs) - 1} read with it "
-                    f"hold {table.num_rows} rows, their markers say {sum(rows)}"
+                    f"segment {store.full(plan.path(lo))} and the {hi - lo - 1} read with it "
+                    f"hold {table.num_rows} rows, their markers say {rows}"
                 )
-            return _Unit(group, rows, table if table.schema.equals(want) else table.cast(want))
+            return _Unit(lo, hi, table if table.schema.equals(want) else table.cast(want))
         except _Problems as p:
             if problems is None:
                 raise LogCorrupted(p.first) from None
-            problems.update({group[k]: text for k, text in p.found.items()})
-            return _Unit(group, rows, None)
+            problems.update({lo + k: text for k, text in p.found.items()})
+            return _Unit(lo, hi, None)
         except LogCorrupted as e:
             if problems is None:
                 raise
-            problems.update({i: str(e) for i in group})
-            return _Unit(group, rows, None)
+            problems.update(dict.fromkeys(range(lo, hi), str(e)))
+            return _Unit(lo, hi, None)
         except (pa.ArrowException, OSError, ValueError) as e:
-            error = f"segment {store.full(refs[0].path)} does not hold the event columns: {e}"
+            error = f"segment {store.full(plan.path(lo))} does not hold the event columns: {e}"
             if problems is None:
                 raise LogCorrupted(error) from e
-            problems.update({i: error for i in group})
-            return _Unit(group, rows, None)
+            problems.update(dict.fromkeys(range(lo, hi), error))
+            return _Unit(lo, hi, None)
 
     ahead = max(1, threads or 4)
+    bounds = plan.units.tolist()
     with ThreadPoolExecutor(ahead, thread_name_prefix="ledger-scan") as pool:
         pending: deque[Future[_Unit]] = deque()
         try:
-            for group in groups:
-                pending.append(pool.submit(load, group))
+            for lo, hi in itertools.pairwise(bounds):
+                pending.append(pool.submit(load, lo, hi))
                 if len(pending) > ahead:
                     yield pending.popleft().result()
             while pending:
@@ -465,13 +563,6 @@ def _read_units(
         finally:
             for future in pending:
                 future.cancel()
-
-
-def _follows(piece: Piece, last: Piece) -> bool:
-    """Whether ``piece``'s rows come right after ``last``'s in their compacted file."""
-    if piece.first_row >= 0 and last.first_row >= 0:
-        return piece.first_row == last.first_row + last.rows
-    return piece.first_row < 0 and piece.first_group == last.first_group + last.groups
 
 
 class _Problems(Exception):
@@ -486,24 +577,24 @@ class _Problems(Exception):
 
 def _segment_tables(
     store: Store,
-    jobs: list[tuple[Commit, bool, SegmentRef]],
+    jobs: list[tuple[str, int, SegmentRef]],
     columns: list[str],
     want: pa.Schema,
     problems: dict[int, str] | None,
 ) -> pa.Table:
-    """The ``columns`` of consecutive segments (files of their own), each checked against
-    its marker, as one table. Without ``problems`` the first failed check raises
-    :class:`LogCorrupted` (:func:`open_segment`'s words); with it, every segment of the
-    unit is checked and :class:`_Problems` names each one that fails, in
-    :func:`check_segment`'s words."""
+    """The ``columns`` of consecutive segments (files of their own; ``(commit id,
+    attempt, segment)`` each), each checked against its marker, as one table. Without
+    ``problems`` the first failed check raises :class:`LogCorrupted`
+    (:func:`open_segment`'s words); with it, every segment of the unit is checked and
+    :class:`_Problems` names each one that fails, in :func:`check_segment`'s words."""
     tables = []
     found: dict[int, str] = {}
-    for k, (commit, _, ref) in enumerate(jobs):
+    for k, (cid, attempt, ref) in enumerate(jobs):
         if problems is None:
             pf = open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256, size=ref.bytes)
             table = pf.read(columns=columns, use_threads=False)
         else:
-            checked = check_segment(store, commit, ref, columns)
+            checked = check_segment(store, cid, attempt, ref, columns)
             if isinstance(checked, str):
                 found[k] = checked
                 continue
@@ -518,14 +609,16 @@ _PER_UNIT = 64
 """Segments (files of their own) read by one task of the pool and counted as one unit."""
 
 
-def check_segment(store: Store, c: Commit, ref: SegmentRef, columns: list[str]) -> pa.Table | str:
+def check_segment(
+    store: Store, commit: str, attempt: int, ref: SegmentRef, columns: list[str]
+) -> pa.Table | str:
     """``ledger verify``'s checks of one segment: it exists, has the size, SHA-256 and
     rows its marker names, the event columns, and only its own attempt and rank (Parquet
     statistics). Returns its ``columns``, or the problem in one line.
 
     The file is opened with Arrow's Parquet reader directly: ``pq.ParquetFile`` costs
     about as much again in Python per file, which counts at 10^4 segments."""
-    where = f"{ref.path} (commit {c.id})"
+    where = f"{ref.path} (commit {commit})"
     try:
         data = store.read_bytes(ref.path)
     except FileNotFoundError:
@@ -539,7 +632,7 @@ def check_segment(store: Store, c: Commit, ref: SegmentRef, columns: list[str]) 
         reader.open(pa.BufferReader(data))
         meta = reader.metadata
         names = reader.schema_arrow.names
-        problem = _segment_content(where, meta, names, c, ref)
+        problem = _segment_content(where, meta, names, attempt, ref)
         if problem is not None:
             return problem
         return reader.read_all(column_indices=[names.index(n) for n in columns], use_threads=False)
@@ -548,13 +641,13 @@ def check_segment(store: Store, c: Commit, ref: SegmentRef, columns: list[str]) 
 
 
 def _segment_content(
-    where: str, meta: pq.FileMetaData, names: list[str], c: Commit, ref: SegmentRef
+    where: str, meta: pq.FileMetaData, names: list[str], attempt: int, ref: SegmentRef
 ) -> str | None:
     if meta.num_rows != ref.rows:
         return f"{where} has {meta.num_rows} rows, the marker says {ref.rows}"
     if names not in EVENT_COLUMN_SETS:
         return f"{where} has columns {names}, not the event schema"
-    for col, want in (("attempt", c.attempt), ("rank", ref.rank)):
+    for col, want in (("attempt", attempt), ("rank", ref.rank)):
         i = names.index(col)
         for g in range(meta.num_row_groups):
             st = meta.row_group(g).column(i).statistics
@@ -738,51 +831,47 @@ class _CompactedFiles:
             )
         return data, np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
 
-    def read_run(
-        self,
-        held: list[Piece],
-        commits: list[Commit],
-        refs: list[SegmentRef],
-        columns: list[str],
-    ) -> pa.Table:
-        """The rows of consecutive pieces of one compacted file (consecutive row groups),
-        as one table: the file is checked once, each piece against its marker, and each
-        piece's row groups hold the rows its marker names.
+    def read_run(self, plan: _Plan, lo: int, hi: int, columns: list[str]) -> pa.Table:
+        """The rows of the consecutive pieces of one compacted file that are the jobs
+        ``[lo, hi)`` of ``plan``, as one table: the file is checked once, each piece
+        against its marker, and each piece's row groups hold the rows its marker names.
 
         Raises:
             _Problems: naming each piece (or the file) that does not check.
         """
-        path = held[0].path
-        data, bounds = self._checked(path, len(held))
-        found = {}
-        for k, (piece, c, ref) in enumerate(zip(held, commits, refs, strict=True)):
-            if (piece.sha256, piece.rows, piece.commit_id) != (ref.sha256, ref.rows, c.id):
+        held = plan.pieces.take(pa.array(plan.at[lo:hi], pa.int64()))
+        path = held["file"][0].as_py()
+        data, bounds = self._checked(path, hi - lo)
+        wrong = np.flatnonzero(plan.mismatch[lo:hi])
+        if wrong.size:
+            found = {}
+            for k in wrong.tolist():
+                job = plan.jobs.slice(lo + k, 1).to_pylist()[0]
                 found[k] = (
-                    f"{ref.path} (commit {c.id}) was compacted as {piece.rows} rows of commit "
-                    f"{piece.commit_id} with another SHA-256 or row count than its marker names"
+                    f"{job['path']} (commit {job['commit_id']}) was compacted as "
+                    f"{held['rows'][k].as_py()} rows of commit {held['commit_id'][k].as_py()} "
+                    "with another SHA-256 or row count than its marker names"
                 )
-        if found:
-            ref = refs[min(found)]
             raise _Problems(
                 found,
-                f"segment {self.store.full(ref.path)} was compacted with another SHA-256 or "
-                "row count than its marker names",
+                f"segment {self.store.full(plan.path(lo + int(wrong[0])))} was compacted with "
+                "another SHA-256 or row count than its marker names",
             )
-        first = np.fromiter((p.first_group for p in held), np.int64, len(held))
-        end = first + np.fromiter((p.groups for p in held), np.int64, len(held))
-        if held[0].first_row >= 0:  # rows [first_row, first_row + rows) of the file
-            start = np.fromiter((p.first_row for p in held), np.int64, len(held))
-            count = np.fromiter((p.rows for p in held), np.int64, len(held))
-            inside = (bounds[first] <= start) & (start + count <= bounds[end])
+        first = held["first_group"].to_numpy()
+        end = first + held["groups"].to_numpy()
+        first_row = held["first_row"].to_numpy()
+        if first_row[0] >= 0:  # rows [first_row, first_row + rows) of the file
+            count = held["rows"].to_numpy()
+            inside = (bounds[first] <= first_row) & (first_row + count <= bounds[end])
             rows = np.where(inside, count, -1)  # -1: its row groups do not hold its rows
         else:  # the old layout: the piece is its row groups
             rows = bounds[end] - bounds[first]
-        wrong = np.flatnonzero(rows != np.fromiter((r.rows for r in refs), np.int64, len(refs)))
+        wrong = np.flatnonzero(rows != plan.rows[lo:hi])
         if wrong.size:
             k = int(wrong[0])
             text = (
-                f"{self.store.full(path)} holds {rows[k]} rows of segment {refs[k].path}, its "
-                f"marker says {refs[k].rows}"
+                f"{self.store.full(path)} holds {rows[k]} rows of segment "
+                f"{plan.path(lo + k)}, its marker says {plan.rows[lo + k]}"
             )
             raise _Problems({int(j): text for j in wrong}, text)
         mine: dict[str, pq.ParquetFile] = getattr(self.local, "files", None) or {}
@@ -791,11 +880,11 @@ class _CompactedFiles:
         if pf is None:
             mine.clear()
             pf = mine[path] = pq.ParquetFile(pa.BufferReader(data))
-        lo, hi = int(first[0]), int(end[-1])
-        if lo == 0 and hi == len(bounds) - 1:
+        start, stop = int(first[0]), int(end[-1])
+        if start == 0 and stop == len(bounds) - 1:
             read = pf.read(columns=columns, use_threads=False)
         else:
-            read = pf.read_row_groups(range(lo, hi), columns=columns, use_threads=False)
-        if held[0].first_row < 0:
+            read = pf.read_row_groups(range(start, stop), columns=columns, use_threads=False)
+        if first_row[0] < 0:
             return read
-        return read.slice(held[0].first_row - int(bounds[lo]), int(sum(p.rows for p in held)))
+        return read.slice(int(first_row[0]) - int(bounds[start]), int(plan.rows[lo:hi].sum()))

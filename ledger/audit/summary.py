@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import duckdb
 import pyarrow as pa
 
-from ledger.audit.scan import Progress, ScanResult, scan
-from ledger.audit.views import connect
-from ledger.commits import list_commits, parsing_once, read_run
+from ledger.audit.scan import Progress, ScanResult, scan_segments
+from ledger.audit.views import connect, jobs
+from ledger.commits import parsing_once, read_run
 from ledger.store import Store
 
 # An event that hands a sample to the training loop: a 'sample', or the first span of a
@@ -277,13 +277,9 @@ def counts(
     samples)."""
     run = read_run(store)
     config = run.get("config", {})
-    commits = list_commits(store)
-    chain = {r[0] for r in con.execute("SELECT commit_id FROM commits WHERE in_lineage").fetchall()}
-    by_step = sorted(commits, key=lambda c: (c.step, c.attempt))
-    result = scan(
+    result = scan_segments(
         store,
-        [c for c in by_step if c.id in chain],
-        [c for c in by_step if c.id not in chain],
+        jobs(con),
         dataset_len=int(config.get("dataset_len", 0)),
         packed=bool(config.get("packer")),
         progress=progress,
@@ -471,6 +467,7 @@ def _skew(con: duckdb.DuckDBPyConnection) -> Skew | None:
 
 
 def _one(con: duckdb.DuckDBPyConnection, sql: str) -> tuple:
-    row = con.execute(sql).fetchone()
-    assert row is not None, "an aggregate without GROUP BY returns one row"
-    return row
+    # fetchall: a result left unfinished would block the next registration on ``con``.
+    rows = con.execute(sql).fetchall()
+    assert len(rows) == 1, "an aggregate without GROUP BY returns one row"
+    return rows[0]

@@ -245,7 +245,9 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     in_chain = pc.is_in(tables.segments["commit_id"], value_set=chain)
     con.register("events", _events_dataset(store, tables.segments))
     con.register("lineage", _events_dataset(store, tables.segments.filter(in_chain)))
-    con.register("commits", _with_lineage(tables.commits, chain, head))
+    commits_view = _with_lineage(tables.commits, chain, head)
+    _REGISTERED[con] = (commits_view, tables.segments)
+    con.register("commits", commits_view)
     con.register("segments", tables.segments)
     con.register("states", tables.states)
     con.register("attempts", _attempts_table(store))
@@ -262,6 +264,31 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     ):
         con.execute(f"SET {setting}")
     return con
+
+
+_REGISTERED: weakref.WeakKeyDictionary[duckdb.DuckDBPyConnection, tuple[pa.Table, pa.Table]] = (
+    weakref.WeakKeyDictionary()
+)
+"""The ``commits`` and ``segments`` tables registered on each open connection."""
+
+
+def jobs(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    """The segments of the connection's log as a scan's jobs
+    (:data:`ledger.audit.scan.JOBS_SCHEMA`): those of the lineage by step, attempt and
+    rank, then the others; Arrow over the registered tables, no object per segment.
+
+    Raises:
+        KeyError: if ``con`` was not opened by :func:`connect`.
+    """
+    commits, segments = _REGISTERED[con]
+    counted = pc.is_in(
+        segments["commit_id"], value_set=commits.filter(commits["in_lineage"])["commit_id"]
+    )
+    table = segments.append_column("counted", counted)
+    return table.sort_by(
+        [("counted", "descending"), ("step", "ascending"), ("attempt", "ascending"),
+         ("rank", "ascending")]
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
