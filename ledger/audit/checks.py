@@ -402,6 +402,7 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
             progress=progress,
             problems=problems,
             key="position" if "mixture" in config else "sample_id",  # see summary.counts
+            positions=False,
         )
         # In the words and order of the markers (by attempt, then step, then rank).
         key = {name: jobs[name].to_numpy() for name in ("attempt", "step", "rank")}

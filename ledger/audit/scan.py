@@ -236,6 +236,7 @@ def scan_segments(
     threads: int | None = None,
     problems: dict[int, str] | None = None,
     key: str = "sample_id",
+    positions: bool = True,
 ) -> ScanResult:
     """Count the segments ``jobs`` (:data:`JOBS_SCHEMA`) per epoch where ``counted``, and
     every segment's events.
@@ -261,6 +262,9 @@ def scan_segments(
             segment is left out of the counts.
         key: the column counted once per epoch: ``sample_id``, or for a mixture
             (whose sources repeat by design) ``position``, in ``[0, dataset_len)`` too.
+        positions: ``False``: the ``position`` column is not read (unless it is ``key``)
+            and :attr:`ScanResult.last_positions` stays empty (``ledger verify``, which
+            does not need them, decodes one column less per segment).
 
     Returns:
         Per epoch of the counted commits, and per segment of all (in the order given).
@@ -274,7 +278,9 @@ def scan_segments(
         raise LogCorrupted("two markers name the same segment: the commit chain is damaged")
     plan = _Plan(store, jobs)
     counter = _Counter(store, plan, dataset_len, keep_going=problems is not None, key=key)
-    columns = ["epoch", "kind", "sample_id", "position"] + (["token_start"] if packed else [])
+    columns = ["epoch", "kind", "sample_id"]
+    columns += ["position"] if positions or key == "position" else []
+    columns += ["token_start"] if packed else []
     buffered: list[_Unit] = []
     rows = done = 0
     for unit in _read_units(store, plan, columns, threads, problems):
@@ -442,7 +448,8 @@ class _Counter:
             return
         self.samples += np.bincount(job[consumed], minlength=n)
         _fold_max(self.last_epoch, job[consumed], epoch[consumed])
-        position = batch.column("position").to_numpy()
+        names = batch.schema.names
+        position = batch.column("position").to_numpy() if "position" in names else None
         for e in np.unique(epoch[either]).tolist():
             mine = epoch == e
             used = ids[consumed & mine]
@@ -459,7 +466,7 @@ class _Counter:
                 counted.errors += int(np.count_nonzero(errors & mine))
                 counted.rolled_back += int(np.count_nonzero(rolled & mine))
                 skips.add(ids[left_out & mine], "")
-            if used.size:
+            if used.size and position is not None:
                 top = int(position[consumed & mine].max())
                 self.last_positions[e] = max(self.last_positions.get(e, top), top)
 
