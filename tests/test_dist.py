@@ -321,6 +321,7 @@ def test_elastic_stream_mixture_two_to_one_to_three_ranks(tmp_path):
             assert (ids, tokens, lo, hi) == (1, length, 0, length), (epoch, p)
 
 
+@pytest.mark.slow  # one torchrun of 2 ranks x 2 workers
 def test_elastic_mixture_of_a_map_style_source_and_a_stream_two_to_one_rank(tmp_path):
     """A map-style source beside a packed stream, 2 ranks of 2 workers under torchrun,
     resumed on 1 rank without workers (in this process): every position of each finished
