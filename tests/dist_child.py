@@ -8,6 +8,8 @@ Usage: torchrun --nproc_per_node W dist_child.py ROOT OUTDIR TOTAL [--resume]
        [--mixture]  (a ledger.Mixture of two datasets; ids of "b" start at 1000)
        [--stream-mixture DIR]  (a ledger.Mixture of packed streams over DIR/a/* and DIR/b/*)
        [--map-a N]  (with --stream-mixture: "a" is a map-style source of N token documents)
+       [--skip-steps A:B]  (a fresh run plans skip(steps=range(A, B)) on every rank, a
+                            resumed one does not; steps are then batch indexes)
 Each rank appends "<step> <ids> <digest>" per batch to OUTDIR/stream-<rank>.txt and keeps
 its token in OUTDIR/ckpt-<rank>.json (written after every commit, every 3 steps, then a
 barrier).
@@ -103,6 +105,7 @@ def main() -> None:
         )
     ckpt = os.path.join(out, f"ckpt-{rank}.json")
     step = 0
+    planned = "--skip-steps" in sys.argv
     if "--resume-from" in sys.argv:
         with open(sys.argv[sys.argv.index("--resume-from") + 1]) as f:
             token = json.load(f)
@@ -113,14 +116,19 @@ def main() -> None:
             token = json.load(f)
         loader.load_state_dict(token)
         step = token["step"]
+    elif planned:
+        a, b = map(int, sys.argv[sys.argv.index("--skip-steps") + 1].split(":"))
+        loader.skip(steps=range(a, b), reason="loss spike")
     with open(os.path.join(out, f"stream-{rank}.txt"), "a") as f:
         while step < total:
             for batch in loader:
                 digest = hashlib.sha256(batch[key].numpy().tobytes()).hexdigest()[:16]
                 ids = batch["id" if key == "x" else "sample_ids"].tolist()
-                f.write(f"{step} {ids} {digest}\n")
+                # With a planned skip, a batch's step is its batch index (the token's).
+                label = loader.state.batch - 1 if planned else step
+                f.write(f"{label} {ids} {digest}\n")
                 f.flush()
-                step += 1
+                step = loader.state.batch if planned else step + 1
                 if step % 3 == 0:
                     token = loader.state_dict()
                     with open(ckpt + ".tmp", "w") as t:

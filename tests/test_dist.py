@@ -398,3 +398,48 @@ def test_elastic_mixture_of_a_map_style_source_and_a_stream_two_to_one_rank(tmp_
 
     out = CliRunner().invoke(main, ["audit", log, "--check", "mixture"])
     assert out.exit_code == 0, out.output
+
+
+@pytest.mark.slow  # two torchruns of 2 ranks
+def test_a_planned_skip_is_skipped_by_both_ranks_and_survives_a_resume(tmp_path):
+    """skip(steps=range(4, 7)) planned on both ranks at the start; rank 1 dies after its
+    segment of step 9, so the resume starts at commit 3, before the range, and skips it
+    again from the plan in the commit's marker (a resume does not plan it again)."""
+    from ledger.audit import connect
+
+    log, out = str(tmp_path / "log"), tmp_path / "out"
+    out.mkdir()
+    assert torchrun(2, log, str(out), "12", "--skip-steps", "4:7", "--die-after-segment", "9")
+    assert [c.step for c in list_commits(Store(log))] == [3]
+    assert [tuple(r[:2]) for r in list_commits(Store(log))[0].planned_skips] == [(4, 7)]
+    killed = [_lines(out, rank) for rank in range(2)]
+    assert torchrun(2, log, str(out), "12", "--skip-steps", "4:7", "--resume") == 0
+    lines = [_lines(out, rank) for rank in range(2)]
+    for rank in range(2):
+        first = dict(killed[rank])
+        again = dict(lines[rank][len(killed[rank]) :])
+        # Rank 1 died at its commit of step 9; rank 0, which waits for it only there, may
+        # have been stopped before (at least after batch 3: step 3 was committed).
+        steps = [s for s, _ in killed[rank]]
+        assert steps == [0, 1, 2, 3, 7, 8][: len(steps)] and len(steps) >= 4 + 2 * rank, steps
+        assert sorted(again) == [3, 7, 8, 9, 10, 11]  # from commit 3, the range skipped
+        assert all(again[s] == first[s] for s in steps[3:]), rank  # the same batches
+    con = connect(log)
+    rolled = con.execute(
+        "SELECT rank, batch, count(*), min(value) FROM lineage WHERE kind = 'rollback' "
+        "GROUP BY ALL ORDER BY 1, 2"
+    ).fetchall()
+    positions = con.execute(
+        "SELECT position FROM lineage WHERE epoch = 0 AND kind IN ('sample', 'rollback')"
+    ).fetchall()
+    con.close()
+    assert [r[:3] for r in rolled] == [(r, b, 4) for r in (0, 1) for b in (4, 5, 6)]
+    assert all(json.loads(r[3])["reason"] == "loss spike" for r in rolled)
+    # Epoch 0 (61 samples, 8 steps of 2 x 4): each position once, served or skipped.
+    assert sorted(p for (p,) in positions) == list(range(61))
+
+
+def _lines(out, rank):
+    """``(step, rest)`` of each line a rank wrote, in order (runs append)."""
+    with open(os.path.join(out, f"stream-{rank}.txt")) as f:
+        return [(int(s), rest) for s, rest in (line.split(" ", 1) for line in f)]
