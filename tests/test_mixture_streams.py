@@ -1108,3 +1108,40 @@ def test_a_change_of_shape_after_a_worker_finished_its_part_of_the_epoch(sources
     rows, last = _lineage(root)
     assert last >= 1
     _check_positions_and_sources(mixture(sources, False), 5, rows, last)
+
+
+def test_sources_change_only_once_an_earlier_change_of_shape_is_served(tmp_path, sources) -> None:
+    """After 2 workers -> none, the lanes plan what the old shape left by place; a new phase
+    with other sources is refused until every worker has gone past it, then it serves
+    each position once, and resumes inside it are exact."""
+    from ledger.errors import ConfigMismatch
+
+    _write(tmp_path, "web", WEB_ROWS)
+    root = str(tmp_path / "log")
+    new = {"code": 0.5, "web": 0.5}
+    first = loader(sources, root, False, 2)
+    list(take(first, 5))
+    token = first.state_dict()
+    second = loader(sources, root, False, 0)
+    second.load_state_dict(token)
+    list(take(second, 2))
+    inside = second.state_dict()  # still in the mixture epoch the old shape left
+
+    def phased(at: dict) -> ledger.DataLoader:
+        current = ledger.DataLoader(
+            _changed(tmp_path, sources, False, new), batch_size=3, shuffle=True, seed=5,
+            log=root, collate_fn=texts,
+        )  # fmt: skip
+        current.load_state_dict(at, new_phase=True)
+        return current
+
+    with pytest.raises(ConfigMismatch, match="still serves what the change of shape"):
+        phased(inside)
+    list(take(second, 24))  # past mixture epoch 0 and code's carried epoch
+    later = second.state_dict()
+    assert assert_resume_exact(lambda: phased(later), batches=8, every=1, resume_at=[2, 5]) == 2
+    rows, _ = _lineage(root)
+    positions = [r[0] * EPOCH + r[1] for r in rows]
+    assert sorted(positions) == list(range(len(positions)))  # one logical worker: a prefix
+    out = CliRunner().invoke(main, ["audit", root, "--check", "mixture", "--check", "coverage"])
+    assert out.exit_code == 0, out.output
