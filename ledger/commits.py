@@ -652,22 +652,6 @@ class _Lazy(Sequence[SegmentRef]):
         return repr(self._all())
 
 
-def prefetch_segments(commits: Sequence[Commit]) -> None:
-    """Decode the segment references of many version-2 commits at once
-    (:func:`ledger.ranks.segments_of`) instead of one rank table at a time when each
-    commit's ``segments`` is first read: the same references, one numpy pass."""
-    lazy = [
-        c
-        for c in commits
-        if isinstance(c.segments, _Lazy) and c.segments._refs is None and c.ranks is not None
-    ]
-    tables = [c.ranks for c in lazy if c.ranks is not None]
-    with no_cycles():
-        for c, refs in zip(lazy, ranks_mod.segments_of(tables), strict=True):
-            assert isinstance(c.segments, _Lazy)
-            c.segments._refs = refs
-
-
 def newest_segments(store: Store, head: Commit, world: int) -> list[SegmentRef | None]:
     """Per rank ``0..world-1``, the newest segment of the lineage of ``head``.
 

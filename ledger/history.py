@@ -240,7 +240,9 @@ def read_history(store: Store) -> History | None:
         out = None
     else:
         whole = _concat([*parts, own])
-        out = whole.take(np.lexsort((whole.step, whole.attempt)))
+        order = np.lexsort((whole.step, whole.attempt))
+        ordered = bool(np.all(order == np.arange(len(order))))  # as a catalog holds them
+        out = whole if ordered else whole.take(order)
     if cache is not None:
         cache[key] = out
     return out
@@ -250,7 +252,8 @@ def _from_catalog(table: pa.Table, at: np.ndarray) -> History:
     """The catalog's commits at rows ``at``, as columns (checked by
     :func:`ledger.compaction.catalog_tables`)."""
     take = pa.array(at, pa.int64())
-    picked = table.take(take)
+    picked = table.select(["id", "step", "attempt", "parent", "world_size", "created_at", "width"])
+    picked = picked.take(take)
     ranks = table["ranks"].combine_chunks()
     values = ranks.values.to_numpy()
     offsets = ranks.offsets.to_numpy()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -279,7 +280,27 @@ def test_pieces_share_row_groups_and_markers_come_from_the_catalog(tmp_path):
         assert {c.id for c in listed} == set(held)
         assert all(held[c.id] is c for c in listed)
         assert listed == list_commits(store, catalog=False)
+    # The audit's columns of the commits, taken from the catalog, are the markers' own.
+    from ledger.history import History, read_history
+
+    with parse_once():
+        columns = read_history(store)
+        markers = History.of(list_commits(store, catalog=False))
+    assert columns is not None and markers is not None and len(columns) == 10
+    for name in ("ids", "parent", "created_at"):
+        assert getattr(columns, name).equals(getattr(markers, name)), name
+    for name in ("step", "attempt", "world_size", "starts", "rows"):
+        assert np.array_equal(getattr(columns, name), getattr(markers, name)), name
+    assert columns.segments().equals(markers.segments())
+    assert columns.segments()["path"].to_pylist() == [
+        s.path for c in list_commits(store) for s in c.segments
+    ]
     assert answers(root) == before
+    # They come from the catalog: a catalogued commit's own rank table is not read.
+    os.remove(os.path.join(root, "commits", "000000000002-0000.ranks"))
+    with parse_once():
+        again = read_history(Store(root))
+    assert again is not None and np.array_equal(again.rows, markers.rows)
 
 
 def test_verify_fails_a_marker_that_differs_from_its_catalog_copy(tmp_path):

@@ -13,6 +13,7 @@ from typing import Any
 
 import duckdb
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from ledger import manifest
@@ -38,6 +39,7 @@ from ledger.commits import (
 )
 from ledger.compaction import catalogued
 from ledger.errors import LogCorrupted
+from ledger.history import read_history
 from ledger.segments import orphans
 from ledger.store import Store
 
@@ -57,8 +59,15 @@ class CheckResult:
     detail: str
 
 
-def _orphans(store: Store, commits: Sequence[Commit]) -> list[str]:
-    return orphans(store, {s.path for c in commits for s in c.segments})
+def _orphans(store: Store, named: pa.Table | None = None) -> list[str]:
+    """Segment files no marker names; ``named``: the segments the markers name (a table
+    with a ``path`` column; default: every commit's, from the columnar history)."""
+    if named is None:
+        history = read_history(store)
+        if history is None:  # version-1 markers: their references
+            return orphans(store, {s.path for c in list_commits(store) for s in c.segments})
+        named = history.segments()
+    return orphans(store, set(named["path"].to_pylist()))
 
 
 def _epochs(epochs: list[int]) -> str:
@@ -246,7 +255,7 @@ def _abandoned(store: Store, s: Summary, allow_uncommitted: int = 0) -> CheckRes
     over = [a for a in s.attempts if a.uncommitted_batches > allow_uncommitted]
     lost = sum(a.uncommitted_samples for a in over)
     lost_batches = sum(a.uncommitted_batches for a in over)
-    orphaned = _orphans(store, list_commits(store))
+    orphaned = _orphans(store)
     parts = []
     if s.abandoned_samples:
         parts.append(
@@ -424,7 +433,7 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
         results.append(_duplicates(scanned))
     else:
         results.append(CheckResult("duplicates", False, "not checked: the log is damaged"))
-    orphaned = _orphans(store, commits)
+    orphaned = _orphans(store, jobs)
     results.append(
         CheckResult(
             "orphans",

@@ -450,7 +450,7 @@ class _Counter:
         _fold_max(self.last_epoch, job[consumed], epoch[consumed])
         names = batch.schema.names
         position = batch.column("position").to_numpy() if "position" in names else None
-        for e in np.unique(epoch[either]).tolist():
+        for e in _present(epoch[either]):
             mine = epoch == e
             used = ids[consumed & mine]
             dropped = ids[skipped & mine]
@@ -497,6 +497,18 @@ class _Counter:
         }
         result.last_positions = {e: p for e, p in self.last_positions.items() if e in result.epochs}
         return result
+
+
+def _present(values: np.ndarray) -> list[int]:
+    """The distinct values of ``values`` (epochs), sorted: one ``bincount`` when they span
+    a short range (a chunk holds an epoch or two), which costs a fraction of
+    ``np.unique``'s sort of 10^6 rows."""
+    if values.size == 0:
+        return []
+    low, high = int(values.min()), int(values.max())
+    if high - low >= 1 << 16:
+        return [int(v) for v in np.unique(values)]
+    return (np.flatnonzero(np.bincount(values - low)) + low).tolist()
 
 
 def _fold_max(out: np.ndarray, at: np.ndarray, values: np.ndarray) -> None:

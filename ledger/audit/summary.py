@@ -453,7 +453,8 @@ def _skew(con: duckdb.DuckDBPyConnection) -> Skew | None:
             LEFT JOIN (
                 SELECT commit_id, rank, sum(samples) AS n FROM segment_counts GROUP BY ALL
             ) AS e USING (commit_id, rank)
-            WHERE c.in_lineage
+            -- An attempt of one rank has no spread: its commits are left out at once.
+            WHERE c.in_lineage AND c.attempt IN (SELECT attempt FROM commits WHERE world_size > 1)
         ), cumulative AS (
             SELECT *, sum(n) OVER (PARTITION BY attempt, rank ORDER BY step) AS seen FROM per
         )
