@@ -705,11 +705,11 @@ class Docs:
         return {"text": text}
 
 
-def mixed(sources, packing: bool) -> Mixture:
+def mixed(sources, packing: bool, docs: type | None = None) -> Mixture:
     _, prose = sources
     return Mixture(
         {
-            "code": Docs(sum(CODE_ROWS), packing),
+            "code": (docs or Docs)(sum(CODE_ROWS), packing),
             "prose": Stream(
                 prose,
                 transform=tokenize if packing else None,
@@ -803,12 +803,42 @@ def test_materialize_re_creates_a_batch_with_a_map_style_source(sources, root, p
 
     collate = None if packing else texts
     run = mixed_loader(sources, root, packing, 2)
-    received = list(take(run, 20))
+    received = list(take(run, 21 if packing else 20))  # the last with a code sample
     run.state_dict()
     for b, got in enumerate(received):
         made = materialize(root, b, mixed(sources, packing), collate_fn=collate)
         assert made.matches and made.digest == batch_digest(got), b
         assert batches_equal(made.data, got), b
+    # verify_data re-creates the last committed batch on resume, and catches a map-style
+    # source whose content changed under the same length.
+    from ledger.errors import LedgerError
+
+    token = run.state_dict()
+    mixed_loader(sources, root, packing, 2).load_state_dict(token)  # (no verification)
+
+    def verifying(mix: Mixture) -> ledger.DataLoader:
+        return ledger.DataLoader(
+            mix, batch_size=3, shuffle=True, seed=5, num_workers=2, log=root,
+            collate_fn=collate, verify_data=True,
+        )  # fmt: skip
+
+    verifying(mixed(sources, packing)).load_state_dict(token)
+    last = received[-1]
+    if packing:  # flat ids: the code documents are 0 .. 11
+        assert int(((last["sample_ids"] >= 0) & (last["sample_ids"] < 12)).sum()) > 0
+    else:
+        assert any(t.startswith("doc") for t in last)
+    # Unpacked: the digest differs; packed: re-packing finds another token count first.
+    expected = "data or the transform changed" if packing else "dataset content"
+    with pytest.raises(LedgerError, match=expected):
+        verifying(mixed(sources, packing, Shifted)).load_state_dict(token)
+
+
+class Shifted(Docs):
+    """Docs with other content under the same length."""
+
+    def __getitem__(self, i: int):
+        return super().__getitem__((i + 1) % self.n)
 
 
 class FlakyDocs(Docs):

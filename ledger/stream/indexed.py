@@ -75,8 +75,9 @@ class IndexedSource:
         return len(self.dataset)
 
     def config(self) -> dict[str, Any]:
-        """What must not change across a resume (the mixture's ``stream`` entry)."""
-        return {"map": {"len": len(self.dataset), "type": type(self.dataset).__name__}}
+        """What must not change across a resume (the mixture's ``stream`` entry): its
+        length, as for a map-style dataset (``verify_data=True`` catches other content)."""
+        return {"map": {"len": len(self.dataset)}}
 
     def pieces(self, seed: int, epoch: int, shuffle: bool, total: int, gw: int) -> list[Piece]:
         """Run ``gw`` of ``total`` equal runs of source ``epoch``'s positions."""
