@@ -176,24 +176,17 @@ class IndexIds:
 
     def take(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The lane's next ``k`` indices and the source epoch of each, rolling over epochs."""
-        parts = [self.cursor.take(k)]
-        epochs = [np.full(parts[0].size, self.epoch, np.int64)]
-        have = parts[0].size
-        fruitless = 0
-        while have < k:
-            self.epoch += 1
+
+        def renew(epoch: int) -> None:
             self.cursor = IndexCursor(
                 self.source, self.lanes.seeds[self.s], self.lanes.shuffle,
-                self.lanes.fresh(self.s, self.epoch),
+                self.lanes.fresh(self.s, epoch),
             )  # fmt: skip
-            more = self.cursor.take(k - have)
-            fruitless = 0 if more.size else fruitless + 1
-            if fruitless > 1:
-                raise self.lanes.stuck(self.s, self.epoch)
-            parts.append(more)
-            epochs.append(np.full(more.size, self.epoch, np.int64))
-            have += more.size
-        return np.concatenate(parts), np.concatenate(epochs)
+
+        ids, epochs, self.epoch = self.lanes.take_rolling(
+            self.s, self.epoch, k, lambda m: self.cursor.take(m), renew
+        )
+        return ids, epochs
 
     def buffer(self) -> list[int]:
         """Nothing is buffered."""

@@ -11,7 +11,7 @@ process's ids-only lane (an :class:`~ledger.stream.shuffle.IdFeed` per source ep
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -192,6 +192,46 @@ class Lanes:
             f"world_size * num_workers ({self.world * self.workers}) rows"
         )
 
+    def take_rolling(
+        self,
+        s: int,
+        epoch: int,
+        k: int,
+        take: Callable[[int], np.ndarray],
+        renew: Callable[[int], None],
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """The next ``k`` ids of source ``s``'s lane, rolling over its epochs.
+
+        Args:
+            s, epoch: the source and the source epoch the lane stands in.
+            k: ids wanted.
+            take: ``take(m)``: up to ``m`` more ids of the lane's current epoch.
+            renew: ``renew(e)``: start the lane on source epoch ``e`` (fresh pieces).
+
+        Returns:
+            ``(ids, epochs, epoch)``: ``k`` ids (``int64``), the source epoch of each,
+            and the epoch the lane stands in afterwards.
+
+        Raises:
+            LedgerError: if two epochs in a row give the lane no id (a source with fewer
+                rows than logical workers).
+        """
+        got = take(k)
+        if got.size == k:
+            return got, np.full(k, epoch, np.int64), epoch
+        parts, epochs, have, fruitless = [got], [np.full(got.size, epoch, np.int64)], got.size, 0
+        while have < k:
+            epoch += 1
+            renew(epoch)
+            more = take(k - have)
+            fruitless = 0 if more.size else fruitless + 1
+            if fruitless > 1:
+                raise self.stuck(s, epoch)
+            parts.append(more)
+            epochs.append(np.full(more.size, epoch, np.int64))
+            have += more.size
+        return np.concatenate(parts), np.concatenate(epochs), epoch
+
 
 class LaneIds:
     """Ids-only lane (the main process's replica): an :class:`IdFeed` per source epoch."""
@@ -216,33 +256,22 @@ class LaneIds:
     def take(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The lane's next ``k`` sample ids (rows of its source) and the source epoch of
         each, rolling over epochs."""
-        got = self.feed.take(k)
-        if got.size == k:
-            return got, np.full(k, self.epoch, np.int64)
-        parts = [got]
-        epochs = [np.full(got.size, self.epoch, np.int64)]
-        have = got.size
-        fruitless = 0
-        while have < k:
-            self.epoch += 1
+
+        def renew(epoch: int) -> None:
             stream = self.lanes.streams[self.s]
-            pieces = self.lanes.fresh(self.s, self.epoch)
             self.feed = IdFeed(
                 stream.source,
-                pieces,
+                self.lanes.fresh(self.s, epoch),
                 WorkerState(0),
                 [],
                 stream.shuffle_buffer,
-                self.lanes.key(self.s, self.epoch),
+                self.lanes.key(self.s, epoch),
             )
-            more = self.feed.take(k - have)
-            fruitless = 0 if more.size else fruitless + 1
-            if fruitless > 1:
-                raise self.lanes.stuck(self.s, self.epoch)
-            parts.append(more)
-            epochs.append(np.full(more.size, self.epoch, np.int64))
-            have += more.size
-        return np.concatenate(parts), np.concatenate(epochs)
+
+        ids, epochs, self.epoch = self.lanes.take_rolling(
+            self.s, self.epoch, k, lambda m: self.feed.take(m), renew
+        )
+        return ids, epochs
 
     def buffer(self) -> list[int]:
         """Sample ids in the lane's buffer now, in slot order."""
