@@ -70,9 +70,12 @@ def _load(store: Store, rel: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- pipeline state
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class WorkerState:
     """Where one logical worker of a stream stands, as of the last batch consumed from it.
+
+    Treat it as immutable: it is not frozen only because a frozen dataclass's constructor
+    costs ~2.5 µs more, and a stream makes one per consumed batch (hashable all the same).
 
     Attributes:
         worker: logical worker id on its rank (``0..num_workers-1``; 0 without workers).
@@ -127,9 +130,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class PipelineState:
     """Where one rank's pipeline stands, between two batches.
+
+    Treat it as immutable: it is not frozen only because a frozen dataclass's constructor
+    costs ~2 µs more, and a loader makes one per consumed batch (hashable all the same).
 
     Attributes:
         rank: the rank.

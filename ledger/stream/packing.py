@@ -137,27 +137,77 @@ class PackState:
         if self.tails:
             return self._fold_slowly(ids, spans, expect)
         n = ids.size
-        begins = np.empty(n, bool)
         if n == 0:
-            return begins
+            return np.zeros(0, bool)
+        # Few numpy calls on small arrays (each costs ~1 µs whatever its size; this runs
+        # once per batch in the main process), and no Python loop over the spans.
         start, end, length = spans[:, 0], spans[:, 1], spans[:, 2]
+        doc = self.doc
         s0 = int(start[0])
-        if (s0 != 0) if self.doc is None else ((int(ids[0]), s0) != self.doc[:2]):
-            self._refuse(0, ids, spans, self.doc[:2] if self.doc else None)
+        if (s0 != 0) if doc is None else (int(ids[0]) != doc[0] or s0 != doc[1]):
+            self._refuse(0, ids, spans, doc[:2] if doc else None)
         # Span i > 0 continues span i - 1's sample if that one did not finish it (then it
-        # is the same sample, from where that one ended), else it begins one at token 0.
+        # is the same sample, from where that one ended), else it begins one at token 0:
+        # ``start[i] - end[i - 1] * going`` and ``(ids[i] - ids[i - 1]) * going`` are 0.
         going = end[:-1] < length[:-1]
-        bad = (start[1:] != end[:-1] * going) | ((ids[1:] != ids[:-1]) & going)
-        if bad.any():
+        bad = start[1:] - end[:-1] * going
+        bad |= (ids[1:] - ids[:-1]) * going
+        if np.count_nonzero(bad):
             i = int(np.flatnonzero(bad)[0]) + 1
             prev = (int(ids[i - 1]), int(end[i - 1])) if going[i - 1] else None
             self._refuse(i, ids, spans, prev)
-        begins[0] = self.doc is None
+        begins = np.empty(n, bool)
+        begins[0] = doc is None
         np.logical_not(going, out=begins[1:])
         expect(ids[begins])
         e, le = int(end[-1]), int(length[-1])
         self.doc = None if e >= le else (int(ids[-1]), e, le)
         return begins
+
+    def fold_owners(self, ids: np.ndarray, spans: np.ndarray) -> tuple[np.ndarray, int]:
+        """:meth:`fold` in fewer array operations, for the replica's hot path (no tails).
+
+        Checks that every span's tokens continue the packer (a span starts where the
+        previous one ended if that one left its sample unfinished, else at token 0) and
+        says which sample each span must belong to; the caller checks the ids: ``ids ==
+        owners[index]``, where ``owners`` is the sample in progress at the batch's start
+        (if any) followed by the next ``begun`` ids of the worker's id stream. One
+        comparison of the whole batch then checks both the samples begun here and that
+        a continuing span keeps its sample.
+
+        Args:
+            ids: ``int64 (rows,)``: the sample of each span.
+            spans: ``int64 (rows, 3)``: ``token_start, token_end, length``
+                (:func:`span_array`: column-major, so each column is contiguous).
+
+        Returns:
+            ``(index, begun)``: ``int64 (rows,)`` into ``owners``, and how many samples
+            begin here.
+
+        Raises:
+            LedgerError: if a span does not start where the packer stands. The caller
+                that finds the ids differ from ``owners[index]`` re-folds the batch
+                with :meth:`fold` from the state before it, for the precise error.
+        """
+        n = ids.size
+        doc = self.doc
+        if n == 0:
+            return np.zeros(0, np.int64), 0
+        start, end, length = spans[:, 0], spans[:, 1], spans[:, 2]
+        if int(start[0]) != (0 if doc is None else doc[1]):
+            self._refuse(0, ids, spans, doc[:2] if doc else None)
+        # Ufunc calls only (np.cumsum and np.where add ~2 µs of Python each on a batch).
+        going = end < length  # span i leaves its sample unfinished: span i + 1 goes on
+        if start[1:].tobytes() != (end * going)[:-1].tobytes():  # from 0 after a finish
+            self.fold(ids, spans, _nothing)  # raises the precise error
+        # Span i's sample: the one in progress (index 0, if any), else the latest begun.
+        index = np.empty(n, np.int64)
+        index[0] = 0
+        np.add.accumulate((length <= end)[:-1].astype(np.int64), out=index[1:])
+        begun = int(index[-1]) + (doc is None)
+        e, le = int(end[-1]), int(length[-1])
+        self.doc = None if e >= le else (int(ids[-1]), e, le)
+        return index, begun
 
     def _refuse(
         self, i: int, ids: np.ndarray, spans: np.ndarray, at: tuple[int, int] | None
@@ -190,6 +240,17 @@ class PackState:
                 )
             self.doc = (sid, end, length) if end < length else None
         return begins
+
+
+def _nothing(ids: np.ndarray) -> None:
+    return None
+
+
+def span_array(spans: list[tuple[int, int, int]]) -> np.ndarray:
+    """Spans ``(token_start, token_end, length)`` as ``int64 (rows, 3)`` in column-major
+    order: each column is contiguous, so the main process checks and logs the columns
+    without copying them."""
+    return np.asfortranarray(np.array(spans, np.int64).reshape(-1, 3))
 
 
 def assemble(

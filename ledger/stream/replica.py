@@ -18,7 +18,6 @@ from ledger.stream.spec import Stream
 from ledger.stream.worker import BatchMeta
 
 _NOWHERE = np.zeros(0, np.int64)
-_ANY = np.zeros(1, np.int64)  # a placeholder position, never indexed
 
 
 class Replica:
@@ -39,7 +38,6 @@ class Replica:
         self.packing = PackState(doc, tails, f"worker {worker}")
         # Epoch position of the packer's sample in progress (``int64 (1,)``), once known.
         self._doc_placed: np.ndarray | None = None
-        self._begun = _NOWHERE  # positions of the samples the last batch began
 
     @property
     def doc(self) -> Tail | None:
@@ -81,26 +79,37 @@ class Replica:
                 self.packing.fold(ids, meta.spans, self._expect)
                 self._doc_placed = None
                 return None if locate is None else locate(ids)
-            doc = self.packing.doc
-            begins = self.packing.fold(ids, meta.spans, self._expect_placed)
-            if ids.size == 0:
-                return _NOWHERE
-            # A span's sample is the one the latest span that began a sample began (or,
-            # before the first, the sample in progress at the batch's start).
-            if doc is None:
-                head = _ANY  # the first span begins a sample
-            elif self._doc_placed is None:  # a sample the replica did not begin
-                head = self._doc_placed = locate(np.array(doc[:1], np.int64))
-            else:
-                head = self._doc_placed
-            placed = np.concatenate((head, self._begun))[np.add.accumulate(begins, dtype=np.int64)]
-            self._doc_placed = placed[-1:]
-            return placed
+            return self._fold_spans(ids, meta.spans)
         if locate is None:
             self._expect(ids)
             return None
         want, placed = self.feed.take_placed(ids.size)
         self._check(ids, want)
+        return placed
+
+    def _fold_spans(self, ids: np.ndarray, spans: np.ndarray) -> np.ndarray:
+        """Fold a packed batch (no tails): check it in one comparison, place its rows."""
+        if ids.size == 0:
+            return _NOWHERE
+        doc = self.packing.doc
+        index, begun = self.packing.fold_owners(ids, spans)
+        want, places = self.feed.take_placed(begun)
+        if doc is not None:  # the sample in progress owns the first spans
+            if self._doc_placed is None:  # a sample the replica did not begin
+                self._doc_placed = self.feed.locate(np.array(doc[:1], np.int64))  # type: ignore[misc]
+            want = np.concatenate((np.array(doc[:1], np.int64), want))
+            places = np.concatenate((self._doc_placed, places))
+        if ids.dtype != np.int64:
+            ids = ids.astype(np.int64)
+        if want.size <= int(index[-1]) or want[index].tobytes() != ids.tobytes():
+            # Another sample than the plan's: re-fold from the batch's start for the
+            # precise error (a span that does not continue its sample, or the id stream's).
+            self.packing.doc = doc
+            start = 0 if doc is None else 1
+            self.packing.fold(ids, spans, lambda begun_ids: self._check(begun_ids, want[start:]))
+            raise LedgerError(f"worker {self.worker} produced a batch the plan does not predict")
+        placed = places[index]
+        self._doc_placed = placed[-1:] if self.packing.doc is not None else None
         return placed
 
     def _fold_failures(self, meta: BatchMeta, failures: list[tuple[int, int, str]]) -> None:
@@ -127,10 +136,6 @@ class Replica:
 
     def _expect(self, ids: np.ndarray) -> None:
         self._check(ids, self.feed.take(ids.size))
-
-    def _expect_placed(self, ids: np.ndarray) -> None:
-        want, self._begun = self.feed.take_placed(ids.size)
-        self._check(ids, want)
 
     def _check(self, ids: np.ndarray, want: np.ndarray) -> None:
         # Comparing the raw bytes of two int64 arrays is one memcmp (~10x cheaper than

@@ -27,7 +27,7 @@ from ledger.digest import digest_bytes
 from ledger.errors import LedgerError, SampleError
 from ledger.fetch import Failure, failure_of
 from ledger.order import rngs_preserved
-from ledger.stream.packing import PackState, Tail, assemble
+from ledger.stream.packing import PackState, Tail, assemble, span_array
 from ledger.stream.plan import EpochPlan, buffer_key
 from ledger.stream.sample import sample_loader
 from ledger.stream.shuffle import IdFeed, Piece, skip_empty
@@ -172,8 +172,9 @@ class BatchMeta:
         worker: logical worker id.
         epoch: epoch.
         sample_ids: ``int64 (rows,)``: one per sample (no packing) or per span.
-        spans: ``int64 (rows, 3)``: ``token_start, token_end, length`` per span, or
-            ``None`` without packing.
+        spans: ``int64 (rows, 3)``: ``token_start, token_end, length`` per span
+            (column-major, :func:`~ledger.stream.packing.span_array`), or ``None``
+            without packing.
         draws: per row, the JSON of the draws recorded for the sample (or ``None``);
             ``None`` when no row recorded any.
         digest: content digest of the batch (32 bytes, :func:`ledger.digest.digest_bytes`),
@@ -415,7 +416,7 @@ class WorkerRun:
             self.worker,
             self.epoch,
             np.array(ids, np.int64),
-            np.array(spans, np.int64).reshape(-1, 3),
+            span_array(spans),
             _drawn(draws),
         )
         if not chosen:
