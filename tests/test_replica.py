@@ -257,28 +257,56 @@ def _meta(ids: list[int], spans: list[tuple[int, int, int]] | None) -> BatchMeta
     return BatchMeta(0, 0, np.array(ids, np.int64), arr, None)
 
 
-def _replica(size: int = 0) -> Replica:
+def _replica(size: int = 0, placed: bool = False) -> Replica:
     source = _source([10])
-    return Replica(IdFeed(source, [(0, 0, 10)], WorkerState(0), [], size, 7), 0, None, [])  # type: ignore[arg-type]
+    locate = _placed if placed else None
+    feed = IdFeed(source, [(0, 0, 10)], WorkerState(0), [], size, 7, locate)  # type: ignore[arg-type]
+    return Replica(feed, 0, None, [])
 
 
-def test_fold_checks_ids_and_packing() -> None:
-    r = _replica()
+@pytest.mark.parametrize("placed", [False, True])
+def test_fold_checks_ids_and_packing(placed: bool) -> None:
+    """The same errors with and without positions (with: packed batches take the
+    one-comparison path, PackState.fold_owners)."""
+    r = _replica(placed=placed)
     r.fold(_meta([0, 1], None))
     with pytest.raises(LedgerError, match="produced sample 3, but the plan says 2"):
         r.fold(_meta([3], None))
-    r = _replica()
+    r = _replica(placed=placed)
     # Sample 0 (5 tokens) split over two sequences, then sample 1 begins.
-    r.fold(_meta([0], [(0, 3, 5)]))
+    first = r.fold(_meta([0], [(0, 3, 5)]))
     assert r.doc == (0, 3, 5)
-    r.fold(_meta([0, 1], [(3, 5, 5), (0, 1, 4)]))
+    after = r.fold(_meta([0, 1], [(3, 5, 5), (0, 1, 4)]))
     assert r.doc == (1, 1, 4)
+    if placed:
+        assert first is not None and after is not None
+        assert (first.tolist(), after.tolist()) == ([3], [3, 8])
     assert r.state().emitted == 2
     with pytest.raises(LedgerError, match=r"packed tokens \[2, 4\) of sample 1"):
         r.fold(_meta([1], [(2, 4, 4)]))  # skips token 1
-    r = _replica()
+    r = _replica(placed=placed)
     with pytest.raises(LedgerError, match="produced sample 1, but the plan says 0"):
         r.fold(_meta([1], [(0, 2, 2)]))
+    # Inside a batch: a sample begun out of the plan's order, a span that continues
+    # its sample under another id, a span that starts past where its sample stood,
+    # and a sample past the end of the worker's epoch.
+    r = _replica(placed=placed)
+    with pytest.raises(LedgerError, match="produced sample 2, but the plan says 1"):
+        r.fold(_meta([0, 2], [(0, 3, 3), (0, 1, 4)]))
+    r = _replica(placed=placed)
+    with pytest.raises(
+        LedgerError, match=r"packed tokens \[3, 5\) of sample 1, but its packer was at \(0, 3\)"
+    ):
+        r.fold(_meta([0, 1], [(0, 3, 5), (3, 5, 5)]))
+    r = _replica(placed=placed)
+    with pytest.raises(
+        LedgerError, match=r"packed tokens \[4, 5\) of sample 0, but its packer was at \(0, 3\)"
+    ):
+        r.fold(_meta([0, 0], [(0, 3, 5), (4, 5, 5)]))
+    r = _replica(placed=placed)
+    r.fold(_meta(list(range(10)), None))
+    with pytest.raises(LedgerError, match="produced sample 10, but the plan says the end"):
+        r.fold(_meta([10], [(0, 1, 1)]))
 
 
 @settings(max_examples=150, deadline=None)
