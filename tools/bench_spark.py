@@ -17,7 +17,8 @@ the other jobs sharing the cores, and give the per-core throughput a cluster est
 
 Logs, Spark's scratch (``spark.local.dir``) and DuckDB's spill directory all go under
 ``--tmpdir`` (removed at the end). ``--spark-up-to`` leaves Spark out above a size (its
-exact ``COUNT(DISTINCT)`` shuffles every event); Spark's driver memory is ``--spark-memory``.
+exact distinct counts hash every event into a 64-id bitmap word); Spark's driver memory
+is ``--spark-memory``.
 
 Example:
     nice -n 10 python tools/bench_spark.py --events 1e7 1e8 1e9 --master 'local[2]' \
