@@ -270,7 +270,6 @@ def test_elastic_stream_mixture_two_to_one_to_three_ranks(tmp_path):
     """A mixture of packed streams resumed with other world sizes: every position of each
     finished mixture epoch once, of the source the mixture's function gives, and every
     token of every sample once (buffers, lanes and packed samples in flight)."""
-    import numpy as np
 
     import ledger
 
@@ -290,35 +289,18 @@ def test_elastic_stream_mixture_two_to_one_to_three_ranks(tmp_path):
             torchrun(nproc, log, str(out), str(total), "--stream-mixture", str(shards), *resume)
             == 0
         )
-    from ledger.audit import connect
     from ledger.stream import ShardedSource, Stream
 
     head = list_commits(Store(log))[-1]
     assert head.world_size == 3
     done = min(s.epoch for s in head.states)
     assert done >= 2
-    con = connect(log)
-    rows = con.execute(
-        """
-        SELECT epoch, position, any_value(CAST(source AS VARCHAR)), count(DISTINCT sample_id),
-               sum(token_end - token_start), any_value(length), min(token_start),
-               max(token_end)
-        FROM lineage WHERE kind = 'span' AND epoch < ? GROUP BY 1, 2 ORDER BY 1, 2
-        """,
-        [done],
-    ).fetchall()
     size = 14 + 9  # rows of "a" and "b": the mixture epoch
     mix = ledger.Mixture(
         {n: Stream(ShardedSource(str(shards / n / "*"))) for n in ("a", "b")},
         weights={"a": 0.7, "b": 0.3},
     )
-    for epoch in range(done):
-        mine = [r for r in rows if r[0] == epoch]
-        assert [r[1] for r in mine] == list(range(size)), epoch
-        truth = mix.sources_at(5, np.arange(size) + epoch * size)
-        assert [r[2] for r in mine] == [mix.names[s] for s in truth.tolist()]
-        for _, p, _, ids, tokens, length, lo, hi in mine:
-            assert (ids, tokens, lo, hi) == (1, length, 0, length), (epoch, p)
+    _each_position_once_of_its_source(log, mix, done, size)
 
 
 @pytest.mark.slow  # one torchrun of 2 ranks x 2 workers
@@ -327,11 +309,9 @@ def test_elastic_mixture_of_a_map_style_source_and_a_stream_two_to_one_rank(tmp_
     resumed on 1 rank without workers (in this process): every position of each finished
     mixture epoch once, of its source; every token of every sample once; a resume inside
     the new shape is exact; --check mixture passes."""
-    import numpy as np
     from conftest import MapTokens, packed_stream
 
     import ledger
-    from ledger.audit import connect
     from ledger.stream import ShardedSource, Stream
 
     shards = tmp_path / "shards"
@@ -369,29 +349,12 @@ def test_elastic_mixture_of_a_map_style_source_and_a_stream_two_to_one_rank(tmp_
     assert head.world_size == 1
     done = min(s.epoch for s in head.states)
     assert done >= 1
-    con = connect(log)
-    rows = con.execute(
-        """
-        SELECT epoch, position, any_value(CAST(source AS VARCHAR)), count(DISTINCT sample_id),
-               sum(token_end - token_start), any_value(length), min(token_start),
-               max(token_end)
-        FROM lineage WHERE kind = 'span' AND epoch < ? GROUP BY 1, 2 ORDER BY 1, 2
-        """,
-        [done],
-    ).fetchall()
-    con.close()
     size = 14 + 9
     mix = ledger.Mixture(
         {"a": MapTokens(14), "b": Stream(ShardedSource(str(shards / "b" / "*")))},
         weights={"a": 0.7, "b": 0.3},
     )
-    for epoch in range(done):
-        mine = [r for r in rows if r[0] == epoch]
-        assert [r[1] for r in mine] == list(range(size)), epoch
-        truth = mix.sources_at(5, np.arange(size) + epoch * size)
-        assert [r[2] for r in mine] == [mix.names[s] for s in truth.tolist()]
-        for _, p, _, ids, tokens, length, lo, hi in mine:
-            assert (ids, tokens, lo, hi) == (1, length, 0, length), (epoch, p)
+    _each_position_once_of_its_source(log, mix, done, size)
     from click.testing import CliRunner
 
     from ledger.cli import main
@@ -443,3 +406,31 @@ def _lines(out, rank):
     """``(step, rest)`` of each line a rank wrote, in order (runs append)."""
     with open(os.path.join(out, f"stream-{rank}.txt")) as f:
         return [(int(s), rest) for s, rest in (line.split(" ", 1) for line in f)]
+
+
+def _each_position_once_of_its_source(log: str, mix, done: int, size: int) -> None:
+    """Every position of each of the lineage's first ``done`` mixture epochs (of ``size``
+    positions, seed 5) was served once, by the source the mixture's definition gives it,
+    and every token of its sample once (packed: spans cover ``[0, length)``)."""
+    import numpy as np
+
+    from ledger.audit import connect
+
+    con = connect(log)
+    rows = con.execute(
+        """
+        SELECT epoch, position, any_value(CAST(source AS VARCHAR)), count(DISTINCT sample_id),
+               sum(token_end - token_start), any_value(length), min(token_start),
+               max(token_end)
+        FROM lineage WHERE kind = 'span' AND epoch < ? GROUP BY 1, 2 ORDER BY 1, 2
+        """,
+        [done],
+    ).fetchall()
+    con.close()
+    for epoch in range(done):
+        mine = [r for r in rows if r[0] == epoch]
+        assert [r[1] for r in mine] == list(range(size)), epoch
+        truth = mix.sources_at(5, np.arange(size) + epoch * size)
+        assert [r[2] for r in mine] == [mix.names[s] for s in truth.tolist()]
+        for _, p, _, ids, tokens, length, lo, hi in mine:
+            assert (ids, tokens, lo, hi) == (1, length, 0, length), (epoch, p)
