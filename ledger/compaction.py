@@ -197,7 +197,7 @@ def read_compaction(store: Store, cid: str) -> Compaction:
     if sha256(blob) != ref["sha256"]:
         raise LogCorrupted(f"{store.full(ref['path'])} differs from the SHA-256 {rel} names")
     try:
-        read = pq.read_table(pa.BufferReader(blob))
+        read = pq.ParquetFile(pa.BufferReader(blob)).read(use_threads=False)
         if "first_row" not in read.column_names:  # the old layout: a piece per row group
             read = read.append_column("first_row", pa.array([-1] * read.num_rows, pa.int64()))
         table = read.select(PIECES_SCHEMA.names).cast(PIECES_SCHEMA)
@@ -330,7 +330,7 @@ def _catalog_table(store: Store, rel: str, digest: str) -> pa.Table:
     if sha256(blob) != digest:
         raise LogCorrupted(f"{where} differs from the SHA-256 its compaction names")
     try:
-        read = pq.read_table(pa.BufferReader(blob))
+        read = pq.ParquetFile(pa.BufferReader(blob)).read(use_threads=False)
         if "skips" not in read.column_names:  # written before planned skips were catalogued
             read = read.append_column("skips", pa.nulls(read.num_rows, pa.list_(SKIP_TYPE)))
         table = read.select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA).combine_chunks()

@@ -1,8 +1,9 @@
 """DuckDB views over a log root: the audit's one entry point to the data.
 
-:func:`connect` reads the small JSON files of a log (``run.json``, ``attempts/``,
-``commits/``) in Python, resolves the lineage of a head commit from the parent links,
-and opens an in-memory DuckDB connection with these views (DuckDB types):
+:func:`connect` reads the small files of a log (``run.json``, ``attempts/``, the
+commits as columns: :mod:`ledger.history`, which takes a compacted history's commits
+from its compaction's catalog), resolves the lineage of a head commit from the parent
+links, and opens an in-memory DuckDB connection with these views (DuckDB types):
 
 ``events``: every event of every segment named by a commit marker, all branches.
 Parquet files that no marker names (orphans of a crash mid-commit) are not included.
