@@ -9,7 +9,7 @@ RNG modes (``DataLoader(rng=...)``, recorded in ``run.json``):
   plan, so a batch's draws do not depend on the number of workers nor on which worker
   loads it. numpy and ``random`` are seeded lazily: only once a batch of the process
   has drawn from them (that batch is loaded a second time, seeded; see
-  :func:`_batch_seeded`). Costs ~5 µs per batch for torch, ~15 µs more for the others.
+  :func:`seeded_lazily`). Costs ~5 µs per batch for torch, ~15 µs more for the others.
 * ``"sample"``: seeded before each ``dataset[i]`` from
   :func:`ledger.order.sample_seeds` of ``(seed, epoch, sample id)``: a sample's draws do
   not even depend on the batch it lands in (so they survive a change of world size or
@@ -186,7 +186,7 @@ def load_batch(
     if rng == "off":
         return block(None)
     if rng == "batch" or getitems is not None:
-        return _batch_seeded(block, batch_seed(seed, epoch, position), main_process)
+        return seeded_lazily(block, batch_seed(seed, epoch, position), main_process)
     with rngs_preserved(main_process):
         samples: list[Any] = []
         failures: list[Failure] = []
@@ -206,29 +206,39 @@ def load_batch(
 _T = TypeVar("_T")
 
 _globals_drawn = False
-"""Whether a batch loaded in this process drew from numpy's or ``random``'s global
-generator (then both are seeded before every batch; see :func:`_batch_seeded`)."""
+"""Whether a batch or sample loaded in this process drew from numpy's or ``random``'s
+global generator (then both are seeded before every one; see :func:`seeded_lazily`)."""
 
 
-def _batch_seeded(block: Callable[[Callable[[], Any] | None], _T], seed: int, main: bool) -> _T:
-    """Run ``block`` (fetch, then collate) with torch, numpy and ``random`` seeded by
-    ``seed``, paying for numpy and ``random`` only when the block draws from them.
+def seeded_lazily(block: Callable[[Callable[[], Any] | None], _T], seed: int, main: bool) -> _T:
+    """Run ``block`` with torch, numpy and ``random`` seeded by ``seed``, paying for numpy
+    and ``random`` only when the block draws from them: what a map-style batch (fetch,
+    then collate; :func:`load_batch`) and a map-style sample in a mixture's lane
+    (:meth:`ledger.stream.indexed.IndexedSource.load`) are loaded under.
 
-    torch's default generator is seeded before every batch (cheap, and
-    ``torch.initial_seed()`` then reads the batch seed). numpy's global ``RandomState``
-    and ``random``'s generator cost more to seed (~15 µs), and most datasets never touch
-    them: until a batch of this process draws from either, they are left unseeded and
-    watched (:func:`ledger.order.mark_globals`); the first batch that draws is put back,
-    and loaded again with all three seeded, as is every later batch of the process. The
-    result is the batch the seeded block makes, in either case: code that draws nothing
-    from a generator cannot depend on its state (unless it reads the state without
-    drawing, e.g. ``np.random.get_state()``, which ledger does not support).
+    torch's default generator is seeded every time (cheap, and ``torch.initial_seed()``
+    then reads the seed). numpy's global ``RandomState`` and ``random``'s generator cost
+    more to seed (~15-25 µs the pair), and most datasets never touch them: until a block
+    of this process draws from either, they are left unseeded and watched
+    (:func:`ledger.order.mark_globals`); the first block that draws (or raises after
+    drawing) is put back and run again with all three seeded, as is every later block of
+    the process (batch or sample: one flag per process). The result is what the seeded
+    block makes, in either case: code that draws nothing from a generator cannot depend
+    on its state (unless it reads the state without drawing, e.g.
+    ``np.random.get_state()``, which ledger does not support). A block that raises
+    without having drawn raises as the seeded one would.
 
     Args:
         block: called with a function that re-seeds as before the block (for the
             one-by-one retry of a failed ``__getitems__``).
-        seed: the batch seed.
+        seed: the batch or sample seed (int in ``[0, 2**63)``).
         main: restore the global states afterwards (the training loop's).
+
+    Returns:
+        What ``block`` returned.
+
+    Raises:
+        Exception: whatever the seeded ``block`` raised.
     """
     global _globals_drawn
     if _globals_drawn:
@@ -240,9 +250,14 @@ def _batch_seeded(block: Callable[[Callable[[], Any] | None], _T], seed: int, ma
     marks = mark_globals()
     try:
         generator.manual_seed(seed)
-        out = block(partial(generator.manual_seed, seed))
-        if not drew_from_globals(marks):
-            return out
+        try:
+            out = block(partial(generator.manual_seed, seed))
+        except Exception:
+            if not drew_from_globals(marks):
+                raise
+        else:
+            if not drew_from_globals(marks):
+                return out
         _globals_drawn = True
         logger.debug("the dataset draws from numpy or random: both are seeded from now on")
         restore_globals(marks)

@@ -153,7 +153,7 @@ class DataLoader:
             ``(seed, epoch, position of the batch's first sample)``, so augmentation does
             not depend on the number of workers nor on which one loads a batch (~7 µs per
             batch; numpy and ``random`` are seeded lazily, once the process saw a batch
-            draw from them, :func:`ledger.fetch._batch_seeded`); ``"sample"`` before
+            draw from them, :func:`ledger.fetch.seeded_lazily`); ``"sample"`` before
             each ``dataset[i]`` from ``(seed, epoch, sample id)``, so it does not depend on
             the batch either, and survives a change of world size (~13 µs per sample);
             ``"off"``: not seeded. A :class:`~ledger.stream.Stream`'s transform draws from

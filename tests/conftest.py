@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -38,6 +39,30 @@ class Based(Augmented):
         item = super().__getitem__(i)
         item["id"] = torch.tensor(self.base + i)
         return item
+
+
+class Draws:
+    """Each sample draws from one global generator (``which``), or from none, and only
+    for ids in ``drawing`` (a dataset that augments some samples only)."""
+
+    def __init__(self, n: int, which: str, drawing: Sequence[int] | None = None) -> None:
+        self.n, self.which, self.drawing = n, which, drawing or range(n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        draw = 0.0
+        if i in self.drawing:
+            if self.which == "numpy":
+                draw = float(np.random.rand())
+            elif self.which == "numpy-normal":
+                draw = float(np.random.normal())
+            elif self.which == "random":
+                draw = random.random()
+            elif self.which == "random-gauss":
+                draw = random.gauss(0, 1)
+        return {"id": i, "draw": draw, "torch": float(torch.rand(()))}
 
 
 def free_port() -> int:

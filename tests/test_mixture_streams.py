@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import Draws
 
 import ledger
 from ledger.audit import connect
@@ -832,6 +833,92 @@ def test_materialize_re_creates_a_batch_with_a_map_style_source(sources, root, p
     expected = "data or the transform changed" if packing else "dataset content"
     with pytest.raises(LedgerError, match=expected):
         verifying(mixed(sources, packing, Shifted)).load_state_dict(token)
+
+
+class FailingDraws(Draws):
+    """Draws whose sample raises when its numpy draw is below 0.3 (a failure that depends
+    on the seed: the lazily seeded lane must redo a sample that drew, then raised)."""
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        item = super().__getitem__(i)
+        if float(item["draw"]) < 0.3:  # type: ignore[arg-type]
+            raise ValueError(f"unlucky doc {i}")
+        return item
+
+
+@pytest.mark.parametrize(
+    "which,drawing",
+    [
+        ("none", None),
+        ("numpy", None),
+        ("numpy-normal", "first"),  # one normal, in the training loop's cached one's place
+        ("random-gauss", None),
+        ("random", [3, 7]),  # only some samples draw
+        ("numpy-fails", None),  # draws, then raises (on_error="skip")
+    ],
+)
+def test_a_map_style_lane_seeds_numpy_and_random_lazily_with_the_eager_items(
+    tmp_path, sources, monkeypatch, which, drawing
+) -> None:
+    """A map-style lane seeds numpy and random only once a sample drew from them
+    (``ledger.fetch.seeded_lazily``); its items are those of seeding all three before
+    every sample, item by item, over several of the source's epochs, whatever draws; the
+    training loop's generators (cached normal variates included) are untouched; every
+    batch is re-created from the log, lazily seeded again."""
+    import random
+
+    from ledger import fetch
+    from ledger.audit.queries import materialize
+    from ledger.order import EpochOrder
+    from ledger.stream.lanes import source_seed
+
+    n = sum(CODE_ROWS)
+    if drawing == "first":  # only the lane's first sample draws
+        drawing = [int(EpochOrder(n, source_seed(5, "code"), 0).range(0, 1)[0])]
+    fails = which == "numpy-fails"
+
+    def mix() -> Mixture:
+        code = FailingDraws(n, "numpy") if fails else Draws(n, which, drawing)
+        return Mixture(
+            {"code": code, "prose": Stream(sources[1])}, weights={"code": 0.6, "prose": 0.4}
+        )
+
+    def run(at: str) -> tuple[ledger.DataLoader, list]:
+        loader = ledger.DataLoader(
+            mix(), batch_size=3, shuffle=True, seed=5, num_workers=0, log=str(tmp_path / at),
+            collate_fn=list, on_error="skip" if fails else "raise",
+        )  # fmt: skip
+        return loader, list(take(loader, 20))  # 60 positions: code's epochs 0 .. 2
+
+    monkeypatch.setattr(fetch, "_globals_drawn", True)  # seed all three every time
+    _, eager = run("eager")
+    monkeypatch.setattr(fetch, "_globals_drawn", False)
+    np.random.seed(1)
+    np.random.normal()  # the training loop leaves cached variates behind
+    random.seed(1)
+    random.gauss(0, 1)
+    torch.manual_seed(1)
+    loop_next = (np.random.normal(), random.gauss(0, 1), float(torch.rand(())))
+    np.random.seed(1)
+    np.random.normal()
+    random.seed(1)
+    random.gauss(0, 1)
+    torch.manual_seed(1)
+    loader, lazy = run("lazy")
+    assert (np.random.normal(), random.gauss(0, 1), float(torch.rand(()))) == loop_next
+    assert fetch._globals_drawn == (which != "none")
+    assert lazy == eager
+    code = [item for batch in lazy for item in batch if "draw" in item]
+    assert len(code) >= 2 * n - (n if fails else 0)
+    if which != "none":
+        assert len({item["draw"] for item in code}) > 1  # the draws are real
+    if fails:
+        assert sum(len(batch) for batch in lazy) < 60  # some samples failed
+    loader.state_dict()
+    for b, got in enumerate(lazy):
+        monkeypatch.setattr(fetch, "_globals_drawn", False)
+        made = materialize(str(tmp_path / "lazy"), b, mix(), collate_fn=list)
+        assert made.matches and made.data == got, b
 
 
 class Shifted(Docs):

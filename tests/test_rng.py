@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
-from conftest import Augmented
+from conftest import Augmented, Draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -219,32 +218,6 @@ def test_rngs_preserved_restores_random_exactly(monkeypatch, raw):
     assert random.getstate() == before
     assert [random.random(), random.gauss(0, 1)] == expected
     monkeypatch.setattr(order, "_random_checked", None)  # re-check for later tests
-
-
-class Draws:
-    """Each sample draws from one global generator (``which``), or from none, and only
-    for ids in ``drawing`` (a dataset that augments some samples only)."""
-
-    def __init__(self, n: int, which: str, drawing: Sequence[int] | None = None) -> None:
-        self.n, self.which, self.drawing = n, which, drawing or range(n)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, object]:
-        import random
-
-        draw = 0.0
-        if i in self.drawing:
-            if self.which == "numpy":
-                draw = float(np.random.rand())
-            elif self.which == "numpy-normal":
-                draw = float(np.random.normal())
-            elif self.which == "random":
-                draw = random.random()
-            elif self.which == "random-gauss":
-                draw = random.gauss(0, 1)
-        return {"id": i, "draw": draw, "torch": float(torch.rand(()))}
 
 
 def _random_collate(samples: list[dict[str, object]]) -> dict[str, torch.Tensor]:

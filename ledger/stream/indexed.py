@@ -21,6 +21,9 @@ design); only what a lane reads differs:
   global RNGs (torch, numpy, ``random``) are seeded before each one from
   ``(source seed, source epoch, i)`` (:func:`ledger.order.sample_seed`), so a sample's
   draws do not depend on the worker, the batch nor the shape; ``"off"`` seeds nothing.
+  numpy and ``random`` are seeded lazily, as a map-style batch's are
+  (:func:`ledger.fetch.seeded_lazily`: only once a sample of the process drew from them;
+  the sample is the one seeding all three makes either way).
   In a packed mixture an item is a 1-D sequence of token ids (EOS appended, as a
   stream's transform output is). A dataset with a batched ``__getitems__`` (HF
   ``datasets``) is fetched :data:`_AHEAD` indices a call when ``rng="off"`` (nothing is
@@ -43,8 +46,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ledger.commits import WorkerState
-from ledger.fetch import batch_getter, failure_of
-from ledger.order import EpochOrder, sample_seed, seed_globals
+from ledger.fetch import batch_getter, failure_of, seeded_lazily
+from ledger.order import EpochOrder, sample_seed
 from ledger.stream.packing import Packer
 from ledger.stream.shuffle import Piece, skip_empty
 
@@ -89,12 +92,17 @@ class IndexedSource:
         """``(dataset[index], None)`` seeded as the module docstring says (``seeded``:
         the run's ``rng`` is not ``"off"``); a packed item as ``int64`` tokens + EOS.
 
+        The global RNGs are left seeded (or, numpy's and ``random``'s while no sample of
+        the process drew from them, as they were); callers in the main process restore
+        the training loop's (:class:`ledger.order.rngs_preserved`).
+
         Raises:
             Exception: whatever ``dataset[index]`` raised.
         """
-        if seeded:
-            seed_globals(sample_seed(seed, epoch, index))
-        return self.finish(self.dataset[index]), None
+        if not seeded:
+            return self.finish(self.dataset[index]), None
+        item = seeded_lazily(lambda _: self.dataset[index], sample_seed(seed, epoch, index), False)
+        return self.finish(item), None
 
     def finish(self, item: Any) -> Any:
         """A loaded item as the mixture serves it: packed, ``int64`` tokens + EOS."""
