@@ -213,35 +213,6 @@ class RankTable(Sequence[Any]):
         return None
 
 
-def segments_of(tables: Sequence[RankTable]) -> list[tuple[SegmentRef, ...]]:
-    """:meth:`RankTable.segments` of many tables at once: one numpy pass over all their
-    rows, so 10^4 commits of a few ranks cost one pass, not 10^4 (what an audit or
-    ``verify`` of a long history pays to list its segments)."""
-    if not tables:
-        return []
-    sizes = np.fromiter((len(t.rows) for t in tables), np.int64, len(tables))
-    rows = np.concatenate([t.rows[:, :13] for t in tables])
-    of = np.repeat(np.arange(len(tables)), sizes)  # the table of each row
-    rank = np.arange(len(rows)) - (np.cumsum(sizes) - sizes)[of]
-    wrote = np.flatnonzero(rows[:, 1] == 1)
-    digests = np.ascontiguousarray(rows[wrote, 4:8], dtype="<i8").tobytes().hex()
-    attempts = [t.attempt for t in tables]
-    out: list[list[SegmentRef]] = [[] for _ in tables]
-    for k, (t, r, n, size, step) in enumerate(
-        zip(
-            of[wrote].tolist(),
-            rank[wrote].tolist(),
-            rows[wrote, 2].tolist(),
-            rows[wrote, 3].tolist(),
-            rows[wrote, 12].tolist(),
-            strict=True,
-        )
-    ):
-        path = f"events/attempt={attempts[t]}/rank={r}/seg-{step:012d}.parquet"
-        out[t].append(SegmentRef(r, path, n, size, digests[64 * k : 64 * k + 64]))
-    return [tuple(x) for x in out]
-
-
 def pack(state: Any, ref: SegmentRef | None, status: int) -> np.ndarray:
     """One rank's row (layout in the module docstring), as an ``int64`` vector.
 
