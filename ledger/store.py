@@ -403,7 +403,10 @@ class Store:
 
     def _create_by_claim(self, rel: str, data: bytes) -> None:
         claims = self.full(f"{CLAIMS_DIR}/{rel}")
-        patience = time.monotonic() + CLAIM_LEASE_S
+        # Two leases: a claim already there when we start is stale one lease later at the
+        # latest, and the back-off (at most 2 s between tries) then still tries after that.
+        # With one lease the last try could fall just before the leftover turned stale.
+        patience = time.monotonic() + 2 * CLAIM_LEASE_S
         delay = 0.05
         while True:
             started = time.monotonic()
@@ -438,7 +441,8 @@ class Store:
                 self._rm(mine)  # a leftover claim only delays others until it is stale
             if time.monotonic() > patience:
                 raise CommitConflict(
-                    f"{self.full(rel)}: other writers kept claiming it for {CLAIM_LEASE_S:.0f} s "
+                    f"{self.full(rel)}: other writers kept claiming it for "
+                    f"{2 * CLAIM_LEASE_S:.0f} s "
                     f"({len(rivals)} live claim(s) in {claims}); nothing was created"
                 )
             time.sleep(random.uniform(delay / 2, delay))

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import time
 from dataclasses import replace
 from urllib.parse import urlparse
 
@@ -182,6 +183,26 @@ def test_a_crashed_creators_claim_delays_but_does_not_block(monkeypatch):
     assert not store.fs.exists(leftover)
     with pytest.raises(CommitConflict):
         store.create_exclusive("run.json", b"another run")
+
+
+def test_a_leftover_claim_does_not_block_a_creator_whose_listing_is_slow(monkeypatch):
+    """A creator whose tries each take 0.4 s of a 1 s lease still outlasts a claim left just
+    before it started: its patience (two leases) leaves a try after the claim turned stale
+    (with one lease, the try begun at ~0.9 s saw the claim live and ended past patience)."""
+    import ledger.store as store_module
+
+    monkeypatch.setattr(store_module, "CLAIM_LEASE_S", 1.0)
+    store = Store(f"memory://slow-claims-{os.getpid()}-{id(monkeypatch)}")
+    store.fs.pipe_file(store.full("_claims/run.json/crashed"), b"")
+    listing = store.fs.ls
+
+    def slow_ls(path, *args, **kwargs):
+        time.sleep(0.4)
+        return listing(path, *args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "ls", slow_ls)
+    store.create_exclusive("run.json", b"new run")
+    assert store.read_bytes("run.json") == b"new run"
 
 
 def test_journal_of_a_remote_root_is_on_local_disk(s3, tmp_path):
