@@ -46,6 +46,29 @@ SEGMENTS_SCHEMA = pa.schema(
 """One row per segment named by a marker (the ``segments`` view of the audit)."""
 
 
+def segments_table(commits: list[Commit]) -> pa.Table:
+    """One row per segment named by ``commits`` (:data:`SEGMENTS_SCHEMA`), built from
+    their segment references: the path of logs holding version-1 markers, which have no
+    rank table for :meth:`History.segments` to read as columns."""
+    return pa.Table.from_pylist(
+        [
+            {
+                "commit_id": c.id,
+                "step": c.step,
+                "attempt": c.attempt,
+                "rank": s.rank,
+                "path": s.path,
+                "rows": s.rows,
+                "bytes": s.bytes,
+                "sha256": s.sha256,
+            }
+            for c in commits
+            for s in c.segments
+        ],
+        schema=SEGMENTS_SCHEMA,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class History:
     """Commits as columns, in the order of :func:`ledger.commits.list_commits` (by

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from ledger.commits import Commit, SegmentRef
 from ledger.compaction import Piece, list_compactions, piece_table, pieces
 from ledger.errors import LogCorrupted
-from ledger.history import SEGMENTS_SCHEMA, History
+from ledger.history import SEGMENTS_SCHEMA, History, segments_table
 from ledger.schema import ERROR, EVENT_COLUMN_SETS, EVENT_SCHEMA, ROLLBACK, SAMPLE, SKIP, SPAN
 from ledger.segments import open_segment
 from ledger.store import Store, sha256
@@ -202,26 +202,7 @@ def segment_jobs(counted: list[Commit], other: list[Commit]) -> pa.Table:
     (version-1 commits: from their references)."""
     commits = counted + other
     history = History.of(commits)
-    if history is not None:
-        table = history.segments()
-    else:
-        table = pa.Table.from_pylist(
-            [
-                {
-                    "commit_id": c.id,
-                    "step": c.step,
-                    "attempt": c.attempt,
-                    "rank": s.rank,
-                    "path": s.path,
-                    "rows": s.rows,
-                    "bytes": s.bytes,
-                    "sha256": s.sha256,
-                }
-                for c in commits
-                for s in c.segments
-            ],
-            schema=SEGMENTS_SCHEMA,
-        )
+    table = history.segments() if history is not None else segments_table(commits)
     ids = pa.array([c.id for c in counted], pa.string())
     return table.append_column("counted", pc.is_in(table["commit_id"], value_set=ids))
 

@@ -109,7 +109,7 @@ from ledger.commits import (
 )
 from ledger.compaction import piece_table
 from ledger.errors import LogCorrupted
-from ledger.history import History, read_history
+from ledger.history import History, read_history, segments_table
 from ledger.journal import uncommitted
 from ledger.schema import EVENT_SCHEMA, chunks_to_table
 from ledger.store import Store
@@ -141,18 +141,6 @@ _COMMITS_SCHEMA = pa.schema(
         ("batch", pa.int64()),
         ("in_lineage", pa.bool_()),
         ("is_head", pa.bool_()),
-    ]
-)
-_SEGMENTS_SCHEMA = pa.schema(
-    [
-        ("commit_id", pa.string()),
-        ("step", pa.int64()),
-        ("attempt", pa.int32()),
-        ("rank", pa.int32()),
-        ("path", pa.string()),
-        ("rows", pa.int64()),
-        ("bytes", pa.int64()),
-        ("sha256", pa.string()),
     ]
 )
 _STATES_SCHEMA = pa.schema(
@@ -313,7 +301,7 @@ def _tables(commits: list[Commit]) -> _Tables:
     version-1 markers, commit by commit."""
     history = History.of(commits)
     if history is None:
-        return _Tables(_commit_rows(commits), _segments_table(commits), _states_table(commits))
+        return _Tables(_commit_rows(commits), segments_table(commits), _states_table(commits))
     return _history_tables(history)
 
 
@@ -572,24 +560,6 @@ def _commits_table(commits: list[Commit], chain: set[str], head: str | None) -> 
             }
         )
     return _table(rows, _COMMITS_SCHEMA)
-
-
-def _segments_table(commits: list[Commit]) -> pa.Table:
-    rows = [
-        {
-            "commit_id": c.id,
-            "step": c.step,
-            "attempt": c.attempt,
-            "rank": s.rank,
-            "path": s.path,
-            "rows": s.rows,
-            "bytes": s.bytes,
-            "sha256": s.sha256,
-        }
-        for c in commits
-        for s in c.segments
-    ]
-    return _table(rows, _SEGMENTS_SCHEMA)
 
 
 def _states_table(commits: list[Commit]) -> pa.Table:
