@@ -65,6 +65,24 @@ class Draws:
         return {"id": i, "draw": draw, "torch": float(torch.rand(()))}
 
 
+def loop_generators_with_cached_variates() -> tuple[float, float, float]:
+    """Seed the training loop's generators (numpy, ``random``, torch) so that numpy and
+    ``random`` hold a cached normal variate, as a loop that drew one leaves them; return
+    what the three draw next, and leave them as they were before that draw."""
+
+    def seed() -> None:
+        np.random.seed(1)
+        np.random.normal()
+        random.seed(1)
+        random.gauss(0, 1)
+        torch.manual_seed(1)
+
+    seed()
+    drawn = (np.random.normal(), random.gauss(0, 1), float(torch.rand(())))
+    seed()
+    return drawn
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (the OS picks it), for a torchrun rendezvous."""
     with socket.socket() as s:

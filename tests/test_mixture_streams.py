@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import Draws
+from conftest import Draws, loop_generators_with_cached_variates
 
 import ledger
 from ledger.audit import connect
@@ -893,17 +893,7 @@ def test_a_map_style_lane_seeds_numpy_and_random_lazily_with_the_eager_items(
     monkeypatch.setattr(fetch, "_globals_drawn", True)  # seed all three every time
     _, eager = run("eager")
     monkeypatch.setattr(fetch, "_globals_drawn", False)
-    np.random.seed(1)
-    np.random.normal()  # the training loop leaves cached variates behind
-    random.seed(1)
-    random.gauss(0, 1)
-    torch.manual_seed(1)
-    loop_next = (np.random.normal(), random.gauss(0, 1), float(torch.rand(())))
-    np.random.seed(1)
-    np.random.normal()
-    random.seed(1)
-    random.gauss(0, 1)
-    torch.manual_seed(1)
+    loop_next = loop_generators_with_cached_variates()
     loader, lazy = run("lazy")
     assert (np.random.normal(), random.gauss(0, 1), float(torch.rand(()))) == loop_next
     assert fetch._globals_drawn == (which != "none")

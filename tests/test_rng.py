@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
-from conftest import Augmented, Draws
+from conftest import Augmented, Draws, loop_generators_with_cached_variates
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -274,17 +274,7 @@ def test_lazy_seeding_gives_the_seeded_batches(
         drawing = [int(EpochOrder(32, 5, 0).range(0, 1)[0])]
     dataset = Draws(32, which, drawing)
     expected = _seeded_reference(dataset, 5, 8, 4, collate)
-    np.random.seed(1)
-    np.random.normal()  # the training loop leaves a cached variate behind
-    random.seed(1)
-    random.gauss(0, 1)
-    torch.manual_seed(1)
-    loop_next = (np.random.normal(), random.gauss(0, 1), float(torch.rand(())))
-    np.random.seed(1)
-    np.random.normal()
-    random.seed(1)
-    random.gauss(0, 1)
-    torch.manual_seed(1)
+    loop_next = loop_generators_with_cached_variates()
     loader = ledger.DataLoader(
         dataset, batch_size=4, shuffle=True, seed=5, log=str(tmp_path / "log"),
         num_workers=num_workers, collate_fn=collate,
