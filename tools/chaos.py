@@ -19,9 +19,10 @@ next run resumed from, then the last run's) is compared with an uninterrupted ru
   are kept);
 * ``hung``: the final run did not finish within ``--timeout`` seconds.
 
-Scenarios: map-style, stream and packed stream, each with 0 and 2 DataLoader workers; a
-2-rank torchrun job (``torch.distributed`` with gloo); an elastic change (2 ranks under
-torchrun, killed, resumed with 1 rank). Trials cycle through them.
+Scenarios: map-style, stream and packed stream, a map-style dataset beside a stream in one
+``ledger.Mixture`` (``mix``) and the same packed (``mixpacked``), each with 0 and 2
+DataLoader workers; a 2-rank torchrun job (``torch.distributed`` with gloo); an elastic
+change (2 ranks under torchrun, killed, resumed with 1 rank). Trials cycle through them.
 
 Example:
     nice -n 10 python tools/chaos.py --trials 200        # the full table (about an hour)
@@ -52,6 +53,10 @@ SCENARIOS = (
     "stream-2",
     "packed-0",
     "packed-2",
+    "mix-0",
+    "mix-2",
+    "mixpacked-0",
+    "mixpacked-2",
     "torchrun",
     "elastic",
 )
@@ -109,6 +114,21 @@ class _Data:
         return {"id": torch.tensor(i), "x": torch.rand(2)}
 
 
+class _Docs:
+    """Map-style, packed: item ``i`` is the token ids of a text holding ``i`` and a draw of
+    the per-sample RNG."""
+
+    def __len__(self) -> int:
+        return 23
+
+    def __getitem__(self, i: int) -> Any:
+        import numpy as np
+        import torch
+
+        text = f"doc {i} {int(torch.randint(0, 1000, ()).item())}"
+        return np.frombuffer(text.encode(), np.uint8).astype(np.int64) + 1
+
+
 def _ids(rows: list[dict[str, Any]]) -> list[int]:
     return [int(r["id"]) for r in rows]
 
@@ -119,10 +139,44 @@ def _tokens(record: dict[str, Any], ctx: Any) -> Any:
     return np.frombuffer(record["text"].encode(), np.uint8).astype(np.int64) + 1
 
 
+def _mixed_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """A mixture batch as JSON: ``["m", id, x0]`` for a map-style sample (``x0``: its RNG
+    draw), ``["s", id]`` for a stream row."""
+    return [
+        ["m", int(r["id"]), float(r["x"][0])] if "x" in r else ["s", int(r["id"])] for r in rows
+    ]
+
+
 def _loader(kind: str, workers: int, root: str, workdir: str) -> tuple[Any, str]:
     import ledger
     from ledger.stream import Packer, ShardedSource, Stream
 
+    if kind in ("mix", "mixpacked"):
+        # A map-style dataset beside a stream in one Mixture: lanes, source epochs and
+        # (mixpacked) one packer over both.
+        source = ShardedSource(os.path.join(_shards(workdir), "*.parquet"))
+        if kind == "mix":
+            mix = ledger.Mixture(
+                {"map": _Data(), "text": Stream(source, shuffle_buffer=5)},
+                weights={"map": 0.4, "text": 0.6},
+            )
+            loader = ledger.DataLoader(
+                mix, batch_size=3, shuffle=True, seed=7, log=root, num_workers=workers,
+                collate_fn=_mixed_rows,
+            )  # fmt: skip
+            return loader, ""
+        packer = Packer(seq_len=16)
+        mix = ledger.Mixture(
+            {
+                "map": _Docs(),
+                "text": Stream(source, transform=_tokens, shuffle_buffer=4, packer=packer),
+            },
+            weights={"map": 0.5, "text": 0.5},
+        )
+        loader = ledger.DataLoader(
+            mix, batch_size=2, shuffle=True, seed=7, log=root, num_workers=workers
+        )
+        return loader, "packed"
     if kind == "map":
         loader = ledger.DataLoader(
             _Data(), batch_size=4, shuffle=True, seed=7, log=root, num_workers=workers
@@ -140,7 +194,7 @@ def _loader(kind: str, workers: int, root: str, workdir: str) -> tuple[Any, str]
     loader = ledger.DataLoader(
         stream, batch_size=2, shuffle=True, seed=7, log=root, num_workers=workers
     )
-    return loader, "sample_ids"
+    return loader, "packed"
 
 
 def child(argv: list[str]) -> None:
@@ -164,8 +218,12 @@ def child(argv: list[str]) -> None:
         f.flush()
         while step < TOTAL:
             for batch in loader:
-                ids = batch if not key else batch[key]
-                ids = ids if isinstance(ids, list) else ids.reshape(-1).tolist()
+                if key == "packed":  # the owners and the tokens (a map-style sample's draw)
+                    ids = batch["sample_ids"].reshape(-1).tolist()
+                    ids += batch["tokens"].reshape(-1).tolist()
+                else:
+                    ids = batch if not key else batch[key]
+                    ids = ids if isinstance(ids, list) else ids.reshape(-1).tolist()
                 state = loader.state
                 epoch = state.epoch - 1 if state.epoch_batch == 0 else state.epoch
                 f.write(json.dumps({"step": step, "epoch": epoch, "ids": ids}) + "\n")
