@@ -18,7 +18,7 @@ def test_chaos_handful(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(TOOL.parent.parent)}
     done = subprocess.run(
         [sys.executable, str(TOOL), "--trials", "3", "--seed", "1", "--timeout", "120",
-         "--scenarios", "map-2,stream-0,packed-2", "--workdir", str(tmp_path)],
+         "--scenarios", "map-2,stream-0,mixpacked-2", "--workdir", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
