@@ -221,7 +221,8 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
         ids = sorted(c.id for c in lineage(store, head, known=by_id)) if head is not None else []
         chain = pa.array(ids, pa.string())
         tables = _tables(commits)
-    _check_segments_exist(store, tables.segments)
+    placed = _placed(store, tables.segments["path"])
+    _check_segments_exist(store, tables.segments, placed)
 
     # A private spill directory: the one place DuckDB may write once access is disabled.
     scratch = tempfile.mkdtemp(prefix="ledger-audit-")
@@ -232,8 +233,12 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
         raise
     weakref.finalize(con, shutil.rmtree, scratch, True)
     in_chain = pc.is_in(tables.segments["commit_id"], value_set=chain)
-    con.register("events", _events_dataset(store, tables.segments))
-    con.register("lineage", _events_dataset(store, tables.segments.filter(in_chain)))
+    con.register("events", _events_dataset(store, tables.segments, placed))
+    mine = in_chain.to_numpy(zero_copy_only=False)
+    lineage_placed = (placed[0][mine], placed[1])
+    con.register(
+        "lineage", _events_dataset(store, tables.segments.filter(in_chain), lineage_placed)
+    )
     commits_view = _with_lineage(tables.commits, chain, head)
     _REGISTERED[con] = (commits_view, tables.segments)
     con.register("commits", commits_view)
@@ -270,14 +275,16 @@ def jobs(con: duckdb.DuckDBPyConnection) -> pa.Table:
         KeyError: if ``con`` was not opened by :func:`connect`.
     """
     commits, segments = _REGISTERED[con]
-    counted = pc.is_in(
-        segments["commit_id"], value_set=commits.filter(commits["in_lineage"])["commit_id"]
-    )
+    chain = commits["commit_id"].filter(commits["in_lineage"])
+    counted = pc.is_in(segments["commit_id"], value_set=chain)
     table = segments.append_column("counted", counted)
-    return table.sort_by(
-        [("counted", "descending"), ("step", "ascending"), ("attempt", "ascending"),
-         ("rank", "ascending")]
-    )  # fmt: skip
+    # numpy's stable lexsort, as Arrow's sort_by, at a tenth of its cost; most often the
+    # segments are in order already (one attempt, no branch).
+    keys = [table[k].to_numpy() for k in ("rank", "attempt", "step")]
+    order = np.lexsort((*keys, ~counted.to_numpy(zero_copy_only=False)))
+    if np.array_equal(order, np.arange(len(order))):
+        return table
+    return table.take(pa.array(order, pa.int64()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,7 +420,9 @@ def _placed(store: Store, paths: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray
     return np.asarray(at.to_numpy(), np.int64), table
 
 
-def _events_dataset(store: Store, segments: pa.Table) -> ds.Dataset:
+def _events_dataset(
+    store: Store, segments: pa.Table, placed: tuple[np.ndarray, pa.Table] | None = None
+) -> ds.Dataset:
     """One Arrow dataset over ``segments`` (rows of the ``segments`` view), with commit_id
     and step columns.
 
@@ -423,9 +432,9 @@ def _events_dataset(store: Store, segments: pa.Table) -> ds.Dataset:
     rows carry the two columns: the whole file when every segment it holds is wanted,
     else just the row groups of the wanted ones. The compacted segments are found with
     Arrow (no object per segment): a compacted history of 10^4 commits costs a few
-    vectorised passes.
+    vectorised passes. ``placed``: :func:`_placed` of the segments' paths, if known.
     """
-    at, table = _placed(store, segments["path"])
+    at, table = placed if placed is not None else _placed(store, segments["path"])
     fmt = ds.ParquetFileFormat(
         read_options=ds.ParquetReadOptions(dictionary_columns=["kind", "commit_id"])
     )
@@ -489,10 +498,13 @@ def _rows_of(whole: ds.ParquetFileFragment, parts: pa.Table) -> pa.Table:
     return pa.concat_tables(taken)
 
 
-def _check_segments_exist(store: Store, segments: pa.Table) -> None:
+def _check_segments_exist(
+    store: Store, segments: pa.Table, placed: tuple[np.ndarray, pa.Table] | None = None
+) -> None:
     """Raise LogCorrupted if a segment named by a marker (a row of ``segments``) is
-    missing (one listing per folder); a compacted segment must have its compacted file."""
-    at, table = _placed(store, segments["path"])
+    missing (one listing per folder); a compacted segment must have its compacted file.
+    ``placed``: :func:`_placed` of the segments' paths, if known."""
+    at, table = placed if placed is not None else _placed(store, segments["path"])
     missing = np.zeros(len(at), np.bool_)
     listed: dict[str, set[str]] = {}
 
@@ -505,11 +517,11 @@ def _check_segments_exist(store: Store, segments: pa.Table) -> None:
     own = np.flatnonzero(at < 0)
     for k, rel in zip(own.tolist(), segments["path"].take(pa.array(own)).to_pylist(), strict=True):
         missing[k] = absent(rel)
-    placed = np.flatnonzero(at >= 0)
-    if placed.size:
+    held_at = np.flatnonzero(at >= 0)
+    if held_at.size:
         files = table["file"].combine_chunks().dictionary_encode()
         gone = np.array([absent(f) for f in files.dictionary.to_pylist()], np.bool_)
-        missing[placed] = gone[files.indices.to_numpy()[at[placed]]]
+        missing[held_at] = gone[files.indices.to_numpy()[at[held_at]]]
     if missing.any():
         k = int(np.flatnonzero(missing)[0])
         rel = segments["path"][k].as_py()
