@@ -399,3 +399,72 @@ def test_the_catalog_carries_planned_skips_and_verify_compares_them(tmp_path):
     with parse_once():
         old = catalogued(Store(root))
     assert set(old) == set(markers) and all(c.planned_skips == () for c in old.values())
+
+
+def test_a_catalog_of_rank_lists_reads_as_one_of_bytes(tmp_path):
+    """Catalogs written before rank tables were stored as bytes hold lists of integers:
+    both read the same; bytes that are not whole integers are a damaged catalog."""
+    import pyarrow as pa
+
+    from ledger.commits import parse_once
+    from ledger.compaction import catalogued
+    from ledger.errors import LogCorrupted
+    from ledger.history import read_history
+
+    root = str(tmp_path / "log")
+    history(root)
+    compact(root)
+    with parse_once():
+        held = catalogued(Store(root))
+        columns = read_history(Store(root))
+    assert columns is not None and len(held) == len(columns) == 10
+
+    def as_lists(table: pa.Table) -> pa.Table:
+        raw = table["ranks"].combine_chunks()
+        assert raw.type == pa.large_binary()
+        lists = [np.frombuffer(b, "<i8").tolist() for b in raw.to_pylist()]
+        at = table.schema.get_field_index("ranks")
+        return table.set_column(at, "ranks", pa.array(lists, pa.large_list(pa.int64())))
+
+    _rewrite_catalog(root, as_lists)
+    with parse_once():
+        assert catalogued(Store(root)) == held
+        again = read_history(Store(root))
+    assert again is not None and again.ids.equals(columns.ids)
+    assert np.array_equal(again.rows, columns.rows)
+
+    def torn(table: pa.Table) -> pa.Table:
+        at = table.schema.get_field_index("ranks")
+        return table.set_column(
+            at, "ranks", pa.array([b"\0" * 7] * table.num_rows, pa.large_binary())
+        )
+
+    _rewrite_catalog(root, torn)
+    with parse_once(), pytest.raises(LogCorrupted, match=r"commits\.parquet is not a catalog"):
+        read_history(Store(root))
+
+
+def test_the_lineage_of_columnar_commits_follows_branches_and_names_a_break():
+    import pyarrow as pa
+
+    from ledger.errors import LogCorrupted
+    from ledger.history import History
+
+    def of(parents: list) -> History:
+        n = len(parents)
+        zeros = np.zeros(n, np.int64)
+        ids = pa.array([f"c{k}" for k in range(n)])
+        return History(
+            ids, zeros, zeros, pa.array(parents, pa.string()), zeros + 1, ids,
+            np.arange(n + 1), np.zeros((n, 26), np.int64),
+        )  # fmt: skip
+
+    # c3 resumed from c1 (c2 and c5 are an abandoned branch); c4 follows c3.
+    h = of([None, "c0", "c1", "c1", "c3", "c2"])
+    assert h.lineage(4).tolist() == [0, 1, 3, 4]
+    assert h.lineage(5).tolist() == [0, 1, 2, 5]
+    assert h.lineage(0).tolist() == [0]
+    with pytest.raises(LogCorrupted, match="commit chain loops at c"):
+        of(["c2", "c0", "c1"]).lineage(2)
+    with pytest.raises(LogCorrupted, match="commit c1 names parent c9, which does not exist"):
+        of([None, "c9", "c1"]).lineage(2)
