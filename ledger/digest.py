@@ -48,56 +48,84 @@ def digest_bytes(batch: Any) -> bytes:
         TypeError: if the batch holds another type (a custom class); pass
             ``digest=False`` to the loader for such batches.
     """
-    if type(batch) is torch.Tensor:  # the common case, with fewer calls
-        raw = _memory(batch)
-        if raw is not None:
-            h = hashlib.sha256(_tensor_header(batch))
-            h.update(raw)
+    if type(batch) is torch.Tensor:  # the common case, inlined: ~4.5 µs for 2 KiB, ~2.5 SHA-256
+        layout = _LAYOUTS.get((batch.dtype, batch.shape))
+        if layout is None:
+            layout = _layout(batch)
+        if (
+            batch.is_cpu
+            and batch.is_contiguous()
+            and not batch.is_neg()
+            and not (layout.complex and batch.is_conj())
+        ):
+            address = batch.data_ptr()
+            h = layout.prefix.copy()
+            h.update(layout.buffers.get(address) or layout.memory(address))
             return h.digest()
     h = hashlib.sha256()
     _update(h, batch)
     return h.digest()
 
 
-_TENSOR_HEADERS: dict[tuple[torch.dtype, torch.Size], bytes] = {}
+class _Layout:
+    """What a tensor's dtype and shape fix: its header, a SHA-256 already fed the header
+    (copied per tensor: cheaper than a new hash object and an update), and buffers over
+    the bytes of tensors of this layout.
+
+    A buffer is a ``ctypes`` array at the tensor's address (the bytes ``t.numpy()`` would
+    expose, at a fraction of its cost), kept by address: the allocator hands a batch's
+    tensor the addresses of recent batches' again, so most batches find theirs (a dict
+    lookup instead of a ~0.3 µs ``from_address``). A buffer is only used for a live
+    tensor at its address, of its size.
+    """
+
+    __slots__ = ("buffers", "chars", "complex", "header", "prefix")
+
+    def __init__(self, dtype: torch.dtype, shape: torch.Size, nbytes: int) -> None:
+        self.header = f"T{dtype}{tuple(shape)}".encode()
+        self.prefix = hashlib.sha256(self.header)
+        self.chars: Any = ctypes.c_char * nbytes if nbytes else None  # None: no bytes
+        self.complex = dtype.is_complex  # only a complex tensor can carry a conjugate bit
+        self.buffers: dict[int, Any] = {}
+
+    def memory(self, address: int) -> Any:
+        """A buffer over this layout's bytes at ``address`` (of a live C-contiguous CPU
+        tensor without a negative or conjugate bit)."""
+        buffer = self.buffers.get(address)
+        if buffer is None:
+            if self.chars is None:
+                return b""
+            buffer = self.chars.from_address(address)
+            if len(self.buffers) >= 64:
+                self.buffers.clear()  # bounded: few addresses recur
+            self.buffers[address] = buffer
+        return buffer
 
 
-def _tensor_header(t: torch.Tensor) -> bytes:
+_LAYOUTS: dict[tuple[torch.dtype, torch.Size], _Layout] = {}
+
+
+def _layout(t: torch.Tensor) -> _Layout:
     key = (t.dtype, t.shape)
-    header = _TENSOR_HEADERS.get(key)
-    if header is None:
-        header = f"T{t.dtype}{tuple(t.shape)}".encode()
-        if len(_TENSOR_HEADERS) < 4096:  # batches have few shapes; bound it anyway
-            _TENSOR_HEADERS[key] = header
-    return header
-
-
-_CHARS: dict[int, Any] = {}
-
-
-def _memory(t: torch.Tensor) -> Any:
-    """A buffer over the bytes of a C-contiguous CPU tensor without a conjugate or
-    negative bit (``None`` for others): the bytes ``t.numpy()`` would expose, at a
-    third of its cost (~0.7 vs ~2 µs; once per batch). The tensor must outlive it."""
-    if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
-        return None
-    size = t.nbytes
-    if size == 0:
-        return b""
-    chars = _CHARS.get(size)
-    if chars is None:
-        chars = ctypes.c_char * size
-        if len(_CHARS) < 4096:  # batches have few sizes; bound it anyway
-            _CHARS[size] = chars
-    return chars.from_address(t.data_ptr())
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _Layout(t.dtype, t.shape, t.nbytes)
+        if len(_LAYOUTS) < 4096:  # batches have few shapes; bound it anyway
+            _LAYOUTS[key] = layout
+    return layout
 
 
 def _update(h: Any, x: Any) -> None:
     if isinstance(x, torch.Tensor):
-        h.update(_tensor_header(x))
-        raw = _memory(x)
-        if raw is not None:
-            h.update(raw)
+        layout = _layout(x)
+        h.update(layout.header)
+        if (
+            x.is_cpu
+            and x.is_contiguous()
+            and not x.is_neg()
+            and not (layout.complex and x.is_conj())
+        ):
+            h.update(layout.memory(x.data_ptr()))
             return
         try:  # a CPU tensor numpy can view (no grad, a numpy dtype)
             a = x.numpy()

@@ -89,3 +89,18 @@ def test_the_raw_memory_path_hashes_what_numpy_would():
         plain = lazy.resolve_neg().resolve_conj()
         assert batch_digest(lazy) == batch_digest(plain)
         assert batch_digest([lazy]) == batch_digest([plain])
+
+
+def test_a_tensor_at_a_recycled_address_hashes_its_own_bytes():
+    """Buffers over tensor memory are kept by address: a new tensor (or new content) at an
+    address seen before is hashed from its own bytes."""
+    t = torch.arange(256)
+    first = batch_digest(t)
+    t.add_(1)
+    expected = hashlib.sha256(b"Ttorch.int64(256,)" + np.arange(1, 257, dtype="<i8").tobytes())
+    assert batch_digest(t) == expected.hexdigest() != first
+    for _ in range(100):  # the allocator often returns a freed batch's address
+        fresh = torch.full((256,), 7)
+        want = hashlib.sha256(b"Ttorch.int64(256,)" + np.full(256, 7, "<i8").tobytes())
+        assert batch_digest(fresh) == want.hexdigest()
+        del fresh
