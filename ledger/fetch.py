@@ -52,6 +52,7 @@ from ledger.commits import upgrade_config
 from ledger.order import (
     batch_seed,
     drew_from_globals,
+    mark_dropped,
     mark_globals,
     restore_globals,
     rngs_preserved,
@@ -141,6 +142,7 @@ def load_batch(
     main_process: bool,
     skip_errors: bool,
     collate: Callable[[list[Any]], Any] | None = None,
+    known_seed: int | None = None,
 ) -> tuple[list[Any], list[Failure], Any]:
     """Fetch one batch with the run's RNG mode and collate it, under the same seeds.
 
@@ -166,6 +168,10 @@ def load_batch(
             when there are no workers or when re-creating a batch).
         skip_errors: leave out failing samples instead of raising.
         collate: applied to the samples that loaded (if any); ``None``: not collated.
+        known_seed: the batch's seed, :func:`ledger.order.batch_seed` of ``(seed,
+            epoch, position)``, if the caller computed it already (the loader does, a
+            chunk of batches at a time with :func:`ledger.order.batch_seeds`); ``None``:
+            computed here.
 
     Returns:
         ``(samples, failures, data)``: the samples that loaded, in batch order; the
@@ -186,7 +192,9 @@ def load_batch(
     if rng == "off":
         return block(None)
     if rng == "batch" or getitems is not None:
-        return seeded_lazily(block, batch_seed(seed, epoch, position), main_process)
+        if known_seed is None:
+            known_seed = batch_seed(seed, epoch, position)
+        return seeded_lazily(block, known_seed, main_process)
     with rngs_preserved(main_process):
         samples: list[Any] = []
         failures: list[Failure] = []
@@ -248,15 +256,18 @@ def seeded_lazily(block: Callable[[Callable[[], Any] | None], _T], seed: int, ma
     generator = torch.default_generator
     torch_saved = generator.get_state() if main else None
     marks = mark_globals()
+    drew = True
     try:
         generator.manual_seed(seed)
         try:
             out = block(partial(generator.manual_seed, seed))
         except Exception:
             if not drew_from_globals(marks):
+                drew = False
                 raise
         else:
             if not drew_from_globals(marks):
+                drew = False
                 return out
         _globals_drawn = True
         logger.debug("the dataset draws from numpy or random: both are seeded from now on")
@@ -266,7 +277,8 @@ def seeded_lazily(block: Callable[[Callable[[], Any] | None], _T], seed: int, ma
     finally:
         if torch_saved is not None:
             generator.set_state(torch_saved)
-            restore_globals(marks)
+            if drew or mark_dropped(marks):  # else numpy and random are as they were
+                restore_globals(marks)
 
 
 def _fetch(
@@ -284,6 +296,8 @@ def _fetch(
         except Exception:
             if not skip_errors:
                 raise
+    elif not skip_errors:  # torch's own fetch: a sample that raises stops the batch
+        return [dataset[sid] for sid in id_list], []
         if reseed is not None:  # the per-sample retry draws as if it came first
             reseed()
     samples: list[Any] = []

@@ -34,8 +34,8 @@ from ledger.commits import Commit, PipelineState
 from ledger.digest import digest_bytes
 from ledger.errors import LedgerError, SampleError
 from ledger.fetch import Failure, RngMode, load_batch
-from ledger.order import BatchPlan, EpochOrder
-from ledger.pipeline import PHASE_BATCHING, LoaderSettings, phase_record
+from ledger.order import BatchPlan, EpochOrder, batch_seeds
+from ledger.pipeline import PHASE_BATCHING, LoaderSettings, in_process, phase_record
 from ledger.replay import advance, replay, resume_elastic
 from ledger.schema import ERROR, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SKIP, EventChunk
 from ledger.store import Store
@@ -86,8 +86,10 @@ class _Fetch(tud.Dataset[Any]):
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
 
-    def __getitems__(self, request: tuple[int, int, int, int, np.ndarray]) -> tuple[tuple, Any]:
-        epoch, epoch_batch, batch, position, ids = request
+    def __getitems__(
+        self, request: tuple[int, int, int, int, np.ndarray, int | None]
+    ) -> tuple[tuple, Any]:
+        epoch, epoch_batch, batch, position, ids, seed = request
         info = tud.get_worker_info()
         samples, failures, data = load_batch(
             self.dataset,
@@ -99,6 +101,7 @@ class _Fetch(tud.Dataset[Any]):
             main_process=info is None,
             skip_errors=self.skip_errors,
             collate=self.collate_fn,
+            known_seed=seed,
         )
         if failures and not samples:
             first = failures[0]
@@ -160,13 +163,15 @@ class _Requests:
         state = loader.start
         return loader.plan_at(state).batches_per_epoch - state.epoch_batch
 
-    def __iter__(self) -> Iterator[tuple[int, int, int, int, np.ndarray]]:
+    def __iter__(self) -> Iterator[tuple[int, int, int, int, np.ndarray, int | None]]:
         loader = self._get()
         state = loader.start
         plan = loader.plan_at(state)
         epoch = state.epoch
         order = loader.order(epoch)
         inflight = loader.inflight
+        settings = loader.settings
+        seeded = settings.rng != "off"  # "sample" seeds a __getitems__ batch by batch too
         del loader  # a suspended generator must not keep the loader alive
         end = plan.batches_per_epoch
         per_chunk = max(1, _CHUNK_POSITIONS // plan.batch_size)
@@ -180,12 +185,15 @@ class _Requests:
                 starts - offsets, lens
             )
             ids = order.sample_ids(positions)
-            for start, lo, hi in zip(
-                starts.tolist(), offsets.tolist(), (offsets + lens).tolist(), strict=True
+            seeds: list[int | None] = (
+                batch_seeds(settings.seed, epoch, starts).tolist() if seeded else [None] * (k1 - k)
+            )
+            for start, lo, hi, seed in zip(
+                starts.tolist(), offsets.tolist(), (offsets + lens).tolist(), seeds, strict=True
             ):
                 req = _Request(epoch, k, b, start, ids[lo:hi])
                 inflight.append(req)
-                yield epoch, k, b, start, req.sample_ids
+                yield epoch, k, b, start, req.sample_ids, seed
                 k += 1
                 b += 1
 
@@ -279,6 +287,8 @@ class MapPipeline:
     def begin(self, state: PipelineState) -> Iterable[tuple[Any, Any]]:
         self.start = state
         self.inflight.clear()
+        if self.settings.num_workers == 0:
+            return in_process(self.torch_loader)
         return self.torch_loader
 
     def record(self, state: PipelineState, tag: Any) -> tuple[PipelineState, list[EventChunk]]:
