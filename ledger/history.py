@@ -207,6 +207,11 @@ class History:
         of = np.repeat(np.arange(len(self)), sizes)
         return of, np.arange(len(self.rows)) - self.starts[of]
 
+    def segment_commits(self) -> np.ndarray:
+        """Per segment of :meth:`segments`, the position of its commit (``int64``)."""
+        of, _ = self.rank_of_rows()
+        return of[self.rows[:, 1] == 1]
+
     def segments(self) -> pa.Table:
         """One row per segment written at these commits (:data:`SEGMENTS_SCHEMA`),
         commit by commit, in rank order: numpy over every rank row at once."""
@@ -279,7 +284,7 @@ def read_history(store: Store) -> History | None:
     if cache is not None and key in cache:
         return cache[key]
     parts: list[History] = []
-    rest = commit_ids(store.ls("commits", ordered=False))
+    rest = _marker_names(store.ls("commits", ordered=False))
     for table in catalog_tables(store, HISTORY_COLUMNS):
         if not len(rest):
             break
@@ -288,6 +293,9 @@ def read_history(store: Store) -> History | None:
         if held.any():
             parts.append(_from_catalog(table, np.sort(at[held])))  # in the catalog's order
             rest = rest.filter(pa.array(~held))
+    # A catalog holds commit ids only (copied from checked markers); the other names are
+    # checked here.
+    rest = rest.filter(pc.match_substring_regex(rest, _COMMIT_ID))
     rest = rest.take(pc.sort_indices(rest))
     commits = [read_commit(store, cid) for cid in rest.to_pylist()]
     own = History.of(commits)
@@ -303,13 +311,16 @@ def read_history(store: Store) -> History | None:
     return out
 
 
-def commit_ids(names: list[str]) -> pa.Array:
-    """The commit ids among file names, in their order: the names :data:`COMMIT_NAME`
-    matches, by Arrow's string kernels over all of them at once (10^4 commits: 2·10^4
-    names in ``commits/``, half of them rank tables)."""
+_COMMIT_ID = COMMIT_NAME.pattern.replace(r"\.json$", "$")
+""":data:`ledger.commits.COMMIT_NAME` without ``.json``."""
+
+
+def _marker_names(names: list[str]) -> pa.Array:
+    """The names ending in ``.json`` among ``names``, without it, in their order, by
+    Arrow's string kernels over all of them at once (10^4 commits: 2·10^4 names in
+    ``commits/``, half of them rank tables)."""
     listed = pa.array(names, pa.string())
     markers = listed.filter(pc.ends_with(listed, ".json"))
-    markers = markers.filter(pc.match_substring_regex(markers, COMMIT_NAME.pattern))
     return pc.utf8_slice_codeunits(markers, 0, -len(".json"))
 
 
