@@ -10,10 +10,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+# One worker runs this module whole (pytest-xdist --dist loadgroup): the uninterrupted
+# runs of its module-scoped fixture are shared by the tests that need the same one.
+pytestmark = pytest.mark.xdist_group("test_example")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,6 +46,26 @@ def _train_args(num_workers: int, samples: int) -> list[str]:
     ]  # fmt: skip
 
 
+CleanRun = Callable[[list[str]], tuple[Path, "Future[tuple[int, list[str]]]"]]
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CleanRun]:
+    """The uninterrupted run of some arguments: its directory and its future, started (in a
+    thread, alongside the run the test kills) by the first test that asks for those
+    arguments. kill-2-26 and after-commit-2-26 train on the same arguments: one run."""
+    runs: dict[tuple[str, ...], tuple[Path, Future[tuple[int, list[str]]]]] = {}
+    with ThreadPoolExecutor(1) as pool:
+
+        def clean(args: list[str]) -> tuple[Path, Future[tuple[int, list[str]]]]:
+            if tuple(args) not in runs:
+                root = tmp_path_factory.mktemp("clean")
+                runs[tuple(args)] = root, pool.submit(demo.run_train, root, args)
+            return runs[tuple(args)]
+
+        yield clean
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("crash_mode", "num_workers", "samples"),
@@ -56,19 +81,18 @@ def _train_args(num_workers: int, samples: int) -> list[str]:
     ],
 )
 def test_sigkill_and_resume_is_exact(
-    tmp_path: Path, crash_mode: str, num_workers: int, samples: int
+    tmp_path: Path, clean_run: CleanRun, crash_mode: str, num_workers: int, samples: int
 ) -> None:
     args = _train_args(num_workers, samples)
-    clean, crash = tmp_path / "clean", tmp_path / "crash"
+    crash = tmp_path / "crash"
 
     # The reference run goes alongside the one to kill: same results, half the wait.
-    with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(demo.run_train, clean, args)
-        if crash_mode == "kill":
-            rc, _ = demo.run_train(crash, args, kill_at=KILL_AT)
-        else:
-            rc, _ = demo.run_train(crash, [*args, "--die-after-commit", str(3 * CKPT_EVERY)])
-        assert reference.result()[0] == 0
+    clean, reference = clean_run(args)
+    if crash_mode == "kill":
+        rc, _ = demo.run_train(crash, args, kill_at=KILL_AT)
+    else:
+        rc, _ = demo.run_train(crash, [*args, "--die-after-commit", str(3 * CKPT_EVERY)])
+    assert reference.result()[0] == 0
     assert rc == -signal.SIGKILL
     killed = demo.effective_stream(crash / "stream.jsonl")
     assert KILL_AT < len(killed) < STEPS

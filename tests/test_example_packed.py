@@ -14,7 +14,8 @@ import importlib.util
 import json
 import signal
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -70,6 +71,27 @@ def _train_args(shards_dir: Path, num_workers: int) -> list[str]:
     ]  # fmt: skip
 
 
+CleanRun = Callable[[list[str]], tuple[Path, "Future[tuple[int, list[str]]]"]]
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CleanRun]:
+    """The uninterrupted run of some arguments: its directory and its future, started (in a
+    thread, alongside the run the test kills) by the first test that asks for those
+    arguments. kill-2 and after-commit-2 train on the same arguments: one run."""
+    runs: dict[tuple[str, ...], tuple[Path, Future[tuple[int, list[str]]]]] = {}
+    run = functools.partial(demo.run_train, script=demo.TRAIN_PACKED)
+    with ThreadPoolExecutor(1) as pool:
+
+        def clean(args: list[str]) -> tuple[Path, Future[tuple[int, list[str]]]]:
+            if tuple(args) not in runs:
+                root = tmp_path_factory.mktemp("clean")
+                runs[tuple(args)] = root, pool.submit(run, root, args)
+            return runs[tuple(args)]
+
+        yield clean
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("crash_mode", "num_workers"),
@@ -84,19 +106,19 @@ def _train_args(shards_dir: Path, num_workers: int) -> list[str]:
     ],
 )
 def test_sigkill_and_resume_is_exact(
-    tmp_path: Path, shards_dir: Path, crash_mode: str, num_workers: int
+    tmp_path: Path, shards_dir: Path, clean_run: CleanRun, crash_mode: str, num_workers: int
 ) -> None:
     args = _train_args(shards_dir, num_workers)
     run = functools.partial(demo.run_train, script=demo.TRAIN_PACKED)
-    clean, crash = tmp_path / "clean", tmp_path / "crash"
+    crash = tmp_path / "crash"
 
-    with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(run, clean, args)
-        if crash_mode == "kill":
-            rc, _ = run(crash, args, kill_at=KILL_AT)
-        else:
-            rc, _ = run(crash, [*args, "--die-after-commit", str(3 * CKPT_EVERY)])
-        assert reference.result()[0] == 0
+    # The reference run goes alongside the one to kill (shared with the other crash mode).
+    clean, reference = clean_run(args)
+    if crash_mode == "kill":
+        rc, _ = run(crash, args, kill_at=KILL_AT)
+    else:
+        rc, _ = run(crash, [*args, "--die-after-commit", str(3 * CKPT_EVERY)])
+    assert reference.result()[0] == 0
     assert rc == -signal.SIGKILL
     killed = demo.effective_stream(crash / "stream.jsonl")
     assert KILL_AT < len(killed) < STEPS
