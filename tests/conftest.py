@@ -120,6 +120,20 @@ class MapTokens:
         return np.frombuffer(text.encode(), np.uint8).astype(np.int64) + 1
 
 
+@pytest.fixture(scope="session")
+def sigkill_reference(tmp_path_factory) -> list[str]:
+    """The uninterrupted stream of ``sigkill_child.py`` (map-style, ``test_sigkill.TOTAL``
+    batches), run once per session (per xdist worker): the stream is a function of the
+    loader's arguments, not of the log's path or store, so every kill point, on disk and
+    on S3, compares with this one run."""
+    from test_sigkill import TOTAL, _effective_stream, _run
+
+    base = tmp_path_factory.mktemp("sigkill-reference")
+    ref = base / "ref.txt"
+    assert _run([str(base / "log"), str(ref), str(base / "ref.json"), str(TOTAL)]) == 0
+    return _effective_stream(ref)
+
+
 @pytest.fixture
 def root(tmp_path):
     """A fresh log root on local disk."""

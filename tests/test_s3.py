@@ -380,17 +380,19 @@ def _lines(path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_after_line", [10, 19])
-def test_sigkill_on_s3_then_resume_gives_the_uninterrupted_stream(s3, tmp_path, kill_after_line):
+def test_sigkill_on_s3_then_resume_gives_the_uninterrupted_stream(
+    s3, tmp_path, sigkill_reference, kill_after_line
+):
+    """The resumed stream on S3 equals the uninterrupted one (the same loader's, whose
+    stream does not depend on the store: ``sigkill_reference``, run on disk)."""
     total = 25
-    ref = tmp_path / "ref.txt"
-    assert _run([s3.new_root("ref"), str(ref), str(tmp_path / "ref.json"), str(total)]) == 0
     root = s3.new_root("killed")
     out, ckpt = tmp_path / "run.txt", tmp_path / "ck.json"
     args = [root, str(out), str(ckpt), str(total)]
     assert _run(args, kill_after_line=kill_after_line) == -signal.SIGKILL
     killed = _lines(out)
     assert _run([*args, "--resume"]) == 0
-    reference, resumed = _effective_stream(ref), _effective_stream(out)
+    reference, resumed = sigkill_reference, _effective_stream(out)
     assert len(reference) == len(resumed) == total
     assert [i for i, (a, b) in enumerate(zip(reference, resumed, strict=True)) if a != b] == []
     # The resumed process uploaded the killed one's journal: the audit sees what attempt 0

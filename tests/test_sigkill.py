@@ -35,16 +35,16 @@ def _effective_stream(path):
 
 
 @pytest.mark.parametrize("kill_after_line", [5, 10, 19, 31])
-def test_sigkill_then_resume_gives_the_uninterrupted_stream(tmp_path, kill_after_line):
-    ref = tmp_path / "ref.txt"
-    assert _run([str(tmp_path / "ref"), str(ref), str(tmp_path / "ref.json"), str(TOTAL)]) == 0
+def test_sigkill_then_resume_gives_the_uninterrupted_stream(
+    tmp_path, sigkill_reference, kill_after_line
+):
     out, ckpt = tmp_path / "run.txt", tmp_path / "ck.json"
     args = [str(tmp_path / "log"), str(out), str(ckpt), str(TOTAL)]
     rc = _run(args, kill_after_line=kill_after_line)
     assert rc == -signal.SIGKILL
     assert ckpt.exists()
     assert _run([*args, "--resume"]) == 0
-    reference = _effective_stream(ref)
+    reference = sigkill_reference  # one uninterrupted run for every kill point
     resumed = _effective_stream(out)
     assert len(reference) == len(resumed) == TOTAL
     differing = [i for i, (a, b) in enumerate(zip(reference, resumed, strict=True)) if a != b]
