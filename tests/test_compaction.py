@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -21,6 +22,10 @@ from ledger.cli import main
 from ledger.compaction import compact, list_compactions, pieces
 from ledger.store import Store
 from ledger.testing import batches_equal, take
+
+# One worker runs this module whole (pytest-xdist --dist loadgroup): its module-scoped
+# fixture is built once.
+pytestmark = pytest.mark.xdist_group("test_compaction")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VIEWS = ("events", "lineage", "segments", "commits", "states", "attempts", "uncommitted")
@@ -81,8 +86,25 @@ def answers(root: str) -> dict:
         result = runner.invoke(main, args)
         out[" ".join(args[:1] + args[2:])] = (result.exit_code, result.output)
     out["reconstruct"] = _reconstruct(root, "000000000012-0001")
-    out["report"] = _report(root)
+    out["report"] = _report(root).replace(root.encode(), b"<root>")  # a copy's reads the same
     return out
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """A :func:`history` log and its :func:`answers`, built once for the tests that compact
+    a copy of it: a copy keeps the markers' timestamps and the run id, so its answers are
+    these (each test still reads them from its copy after the compaction)."""
+    root = str(tmp_path_factory.mktemp("pristine") / "log")
+    history(root)
+    return root, answers(root)
+
+
+def copy_of(pristine: tuple[str, dict], tmp_path) -> tuple[str, dict]:
+    """A copy of the pristine log under ``tmp_path``, and the answers it gives."""
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine[0], root)
+    return root, pristine[1]
 
 
 def _report(root: str) -> bytes:
@@ -131,10 +153,8 @@ def test_every_answer_is_the_same_after_compaction(tmp_path):
     assert compact(root).segments == 0
 
 
-def test_a_compaction_before_an_older_commit_and_then_the_rest(tmp_path):
-    root = str(tmp_path / "log")
-    history(root)
-    before = answers(root)
+def test_a_compaction_before_an_older_commit_and_then_the_rest(tmp_path, pristine):
+    root, before = copy_of(pristine, tmp_path)
     first = compact(root, "000000000006-0000")  # lineage 2, 4, 6: 6's newest is kept
     assert (first.id, first.segments) == ("000000000006-0000", 2)
     assert answers(root) == before
@@ -145,10 +165,8 @@ def test_a_compaction_before_an_older_commit_and_then_the_rest(tmp_path):
 
 
 @pytest.mark.parametrize("point", ["files", "pieces", "marker", "retire"])
-def test_sigkill_at_each_point_leaves_a_valid_log(tmp_path, point):
-    root = str(tmp_path / "log")
-    history(root)
-    before = answers(root)
+def test_sigkill_at_each_point_leaves_a_valid_log(tmp_path, pristine, point):
+    root, before = copy_of(pristine, tmp_path)
     child = subprocess.run(
         [sys.executable, os.path.join(HERE, "compact_child.py"), root, point],
         env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])},
@@ -259,10 +277,8 @@ def test_compaction_on_s3(s3, tmp_path):
     assert all(not store.exists(p) for p in pieces(store))
 
 
-def test_pieces_share_row_groups_and_markers_come_from_the_catalog(tmp_path):
-    root = str(tmp_path / "log")
-    history(root)
-    before = answers(root)
+def test_pieces_share_row_groups_and_markers_come_from_the_catalog(tmp_path, pristine):
+    root, before = copy_of(pristine, tmp_path)
     result = compact(root)
     assert (result.segments, result.files) == (4, 1)
     # One file, one row group: a piece is a range of rows, not row groups of its own.
