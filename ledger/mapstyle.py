@@ -232,15 +232,16 @@ class MapPipeline:
         self._started: tuple[str, PipelineState, list[EventChunk]] | None = None  # new_phase
         self.inflight: deque[_Request] = deque()
         self._orders: dict[int, EpochOrder] = {}
+        self._fetch = _Fetch(
+            dataset,
+            settings.seed,
+            settings.rng,
+            settings.on_error == "skip",
+            settings.collate_fn,
+            settings.digest,
+        )
         self.torch_loader = tud.DataLoader(
-            _Fetch(
-                dataset,
-                settings.seed,
-                settings.rng,
-                settings.on_error == "skip",
-                settings.collate_fn,
-                settings.digest,
-            ),
+            self._fetch,
             batch_sampler=_Requests(self),  # type: ignore[arg-type]  # yields requests
             num_workers=settings.num_workers,
             collate_fn=_collated,  # type: ignore[arg-type]  # passes the tagged batch on
@@ -288,7 +289,7 @@ class MapPipeline:
         self.start = state
         self.inflight.clear()
         if self.settings.num_workers == 0:
-            return in_process(self.torch_loader)
+            return in_process(self.torch_loader, self._fetch.__getitems__)
         return self.torch_loader
 
     def record(self, state: PipelineState, tag: Any) -> tuple[PipelineState, list[EventChunk]]:

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.utils.data as tud
+from torch.utils.data._utils.pin_memory import pin_memory
 
 from ledger.commits import Commit, PipelineState
 from ledger.fetch import OnError, RngMode
@@ -183,23 +184,31 @@ class Pipeline(Protocol):
 _profiler_enabled = torch._C._autograd._profiler_enabled
 
 
-def in_process(torch_loader: tud.DataLoader[Any]) -> Iterator[Any]:
+def in_process(
+    torch_loader: tud.DataLoader[Any], fetch: Callable[[Any], Any] | None = None
+) -> Iterator[Any]:
     """Iterate a ``num_workers=0`` torch DataLoader as torch would, at less cost per batch.
 
-    torch's own single-process iterator does the work: the next request of the batch
-    sampler, the fetch, ``collate_fn``, and ``pin_memory`` with its device and its
-    warnings (``_SingleProcessDataLoaderIter._next_data``, called here). What is left out
-    is its ``__next__`` wrapper, whose ``torch.autograd.profiler.record_function`` costs
-    ~20-40 µs per batch even when no profiler runs: the annotation is entered here only
-    while a profiler is active (``torch._C._autograd._profiler_enabled()``: the Python
-    ``torch.profiler``, ``emit_nvtx`` and on-demand traces), under torch's name
-    (``enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__``), so traces and the
-    tools that look for it still see the data loading. The wrapper's other work, a
-    warning when an ``IterableDataset`` outgrows a ``len()`` asked of torch's loader,
-    never applies: ledger does not ask it.
+    torch's own single-process iterator is made (its ``pin_memory`` decision and device,
+    its warnings) and does the work (``_SingleProcessDataLoaderIter._next_data``: the next
+    request of the batch sampler, the fetch, ``collate_fn``, ``pin_memory``), called
+    here. What is left out is its ``__next__`` wrapper, whose
+    ``torch.autograd.profiler.record_function`` costs ~20-40 µs per batch even when no
+    profiler runs: the annotation is entered here only while a profiler is active
+    (``torch._C._autograd._profiler_enabled()``: ``torch.profiler``, the autograd
+    profiler, ``emit_nvtx``, on-demand traces), under torch's name
+    (``enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__``, once per batch and
+    once for the call that ends the epoch, as torch does), so traces and the tools that
+    look for it still see the data loading. The wrapper's other work, a warning when an
+    ``IterableDataset`` outgrows a ``len()`` asked of torch's loader, never applies:
+    ledger does not ask it.
 
     Args:
         torch_loader: a DataLoader with ``num_workers=0``.
+        fetch: for a map-style loader whose dataset's ``__getitems__`` makes the whole
+            batch and whose ``collate_fn`` passes it on unchanged (ledger's): that
+            ``__getitems__``, called with each request of the batch sampler instead of
+            torch's fetcher (the same result, a few µs less per batch).
 
     Yields:
         What iterating ``torch_loader`` yields, in the same order.
@@ -209,10 +218,27 @@ def in_process(torch_loader: tud.DataLoader[Any]) -> Iterator[Any]:
         at 0 workers, when the iteration starts).
     """
     iterator = iter(torch_loader)
-    next_data: Callable[[], Any] = iterator._next_data
     name = iterator._profile_name
     profiled = _profiler_enabled
     item: Any
+    if fetch is not None:
+        pin, device = iterator._pin_memory, iterator._pin_memory_device
+        for request in iterator._sampler_iter:
+            if profiled():
+                with torch.autograd.profiler.record_function(name):
+                    item = fetch(request)
+                    if pin:
+                        item = pin_memory(item, device)
+            else:
+                item = fetch(request)
+                if pin:
+                    item = pin_memory(item, device)
+            yield item
+        if profiled():  # torch annotates the call that ends the epoch too
+            with torch.autograd.profiler.record_function(name):
+                pass
+        return
+    next_data: Callable[[], Any] = iterator._next_data
     while True:
         try:
             if profiled():
