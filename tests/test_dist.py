@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
+import conftest
 import pytest
-from conftest import free_port
 
 from ledger.audit import summarize
 from ledger.commits import list_commits
@@ -19,18 +17,8 @@ TOTAL = 14
 
 
 def torchrun(nproc: int, *args: str) -> int:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        CHILD,
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, env=env, capture_output=True, timeout=300).returncode
+    """``torchrun --nproc_per_node=NPROC dist_child.py ARGS``: 0, or 1 when a rank failed."""
+    return conftest.torchrun(nproc, CHILD, *args)
 
 
 def streams(out, nproc):
@@ -217,14 +205,8 @@ def test_elastic_packed_stream_two_to_one_to_three_ranks(tmp_path):
 
 def test_distributed_checkpoint_restores_every_rank(tmp_path):
     child = os.path.join(os.path.dirname(__file__), "dcp_child.py")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}", child,
-        str(tmp_path / "log"), str(tmp_path / "dcp"), str(tmp_path),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    rc = conftest.torchrun(2, child, str(tmp_path / "log"), str(tmp_path / "dcp"), str(tmp_path))
+    assert rc == 0  # the ranks' stderr is in the captured output
     verdicts = {p.name: p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))}
     assert verdicts == {"rank0.txt": "ok", "rank1.txt": "ok"}
 
