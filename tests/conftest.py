@@ -180,6 +180,22 @@ class MapTokens:
 
 
 @pytest.fixture(scope="session")
+def two_rank_reference(tmp_path_factory) -> tuple[str, str]:
+    """An uninterrupted 2-rank torchrun job of ``dist_child.py`` (map-style,
+    ``test_dist.TOTAL`` steps): its log root and its folder of streams, run once per
+    session (per xdist worker: the tests that use it share the xdist group
+    ``two_rank_reference``). test_dist's 2-rank collective test checks its log; that test
+    and test_s3's two-rank test compare their resumed streams with its streams (a
+    function of the loader's arguments and the world size, not of the store)."""
+    from test_dist import CHILD, TOTAL
+
+    base = tmp_path_factory.mktemp("two-rank-reference")
+    (base / "out").mkdir()
+    assert torchrun(2, CHILD, str(base / "log"), str(base / "out"), str(TOTAL)) == 0
+    return str(base / "log"), str(base / "out")
+
+
+@pytest.fixture(scope="session")
 def sigkill_reference(tmp_path_factory) -> list[str]:
     """The uninterrupted stream of ``sigkill_child.py`` (map-style, ``test_sigkill.TOTAL``
     batches), run once per session (per xdist worker): the stream is a function of the

@@ -460,16 +460,17 @@ def test_audit_of_an_s3_root_equals_the_audit_of_the_same_run_on_disk(s3, tmp_pa
 
 
 @pytest.mark.slow
-def test_two_ranks_on_s3_one_killed_between_segment_and_marker(s3, tmp_path):
+@pytest.mark.xdist_group("two_rank_reference")  # with test_dist's, which makes it
+def test_two_ranks_on_s3_one_killed_between_segment_and_marker(s3, tmp_path, two_rank_reference):
     """torchrun, 2 ranks, collective commits to S3: rank 1 is SIGKILLed after its segment
     PUT of step 9, so no marker for step 9 exists; the resumed job's streams equal those of
-    a job that never stopped, and the audit reports the orphans and passes verify."""
+    a job that never stopped (``two_rank_reference``, on disk: the stream does not depend
+    on the store), and the audit reports the orphans and passes verify."""
     from test_dist import TOTAL, streams, torchrun
 
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    ref.mkdir()
+    _, ref = two_rank_reference
+    run = tmp_path / "run"
     run.mkdir()
-    assert torchrun(2, s3.new_root("dist-ref"), str(ref), str(TOTAL)) == 0
     root = s3.new_root("dist")
     rc = torchrun(2, root, str(run), str(TOTAL), "--die-after-segment", "9")
     assert rc != 0
