@@ -88,31 +88,31 @@ class Journal:
 
     def _record(self, chunk: EventChunk) -> tuple[bytes, bytes]:
         """The frame header and the payload of one chunk's record."""
-        ids = chunk.sample_ids
-        if ids.dtype != _LE_INT64 or not ids.flags.c_contiguous:
-            ids = np.ascontiguousarray(ids, dtype=_LE_INT64)
-        extras: dict[str, Any] | None = None
-        if (
-            chunk.positions is not None
-            or chunk.token_start is not None
-            or chunk.values
-            or chunk.sources is not None
-            or chunk.source_epochs is not None
-        ):
+        # Once per batch in the main process: the two common shapes (a batch's samples,
+        # a packed batch's spans) take a dict literal, the rest :func:`_extras`; the keys
+        # come in the same order either way, so the bytes are the same.
+        c = chunk
+        extras: dict[str, Any] | None
+        if c.positions is None or c.sources is not None or c.source_epochs is not None:
+            extras = _extras(c)
+        elif c.token_start is None and c.token_end is None and c.length is None:
+            extras = {"positions": _raw(c.positions), "values": c.values}
+        elif c.token_start is not None and c.token_end is not None and c.length is not None:
             extras = {
-                name: np.ascontiguousarray(arr, dtype="<i8").data
-                for name in _ARRAYS
-                if (arr := getattr(chunk, name)) is not None
+                "positions": _raw(c.positions),
+                "token_start": _raw(c.token_start),
+                "token_end": _raw(c.token_end),
+                "length": _raw(c.length),
+                "values": c.values,
             }
-            extras["values"] = chunk.values
-            if chunk.sources is not None:
-                extras["source_names"] = list(chunk.source_names or ())
+        else:
+            extras = _extras(c)
         payload = cast(
             bytes,
             self._pack(
                 [
                     chunk.kind, chunk.epoch, chunk.batch, chunk.worker, chunk.position,
-                    ids.data, extras, chunk.digest,
+                    _raw(chunk.sample_ids), extras, chunk.digest,
                 ]
             ),
         )  # fmt: skip
@@ -128,6 +128,32 @@ class Journal:
         """Close the file (idempotent); its records stay on disk."""
         self._closer()
         self._fd = -1
+
+
+def _extras(chunk: EventChunk) -> dict[str, Any] | None:
+    """A record's map of optional columns (``None`` if it has none)."""
+    if not (
+        chunk.positions is not None
+        or chunk.token_start is not None
+        or chunk.values
+        or chunk.sources is not None
+        or chunk.source_epochs is not None
+    ):
+        return None
+    extras: dict[str, Any] = {
+        name: _raw(arr) for name in _ARRAYS if (arr := getattr(chunk, name)) is not None
+    }
+    extras["values"] = chunk.values
+    if chunk.sources is not None:
+        extras["source_names"] = list(chunk.source_names or ())
+    return extras
+
+
+def _raw(arr: np.ndarray) -> memoryview:
+    """The raw little-endian ``int64`` bytes of an integer array (no copy if it is one)."""
+    if arr.dtype != _LE_INT64 or not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr, dtype=_LE_INT64)
+    return arr.data
 
 
 def _frame(payload: bytes) -> bytes:

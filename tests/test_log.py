@@ -258,3 +258,39 @@ def test_resume_from_a_segment_of_many_row_groups(root):
     resumed.load_state_dict(token)
     assert resumed.epoch == 1 and resumed.state.epoch_batch == 1
     assert next(iter(resumed)).tolist() == expected[199]
+
+
+def test_journal_records_of_batches_and_spans_match_the_general_encoding(tmp_path):
+    """The per-batch fast paths of ``Journal._record`` write the same bytes as the
+    general one (:func:`ledger.journal._extras`), and read back as written."""
+    import msgpack
+
+    from ledger.journal import Journal, _extras, _raw, parse_journal
+    from ledger.schema import SAMPLE, SPAN, EventChunk
+
+    journal = Journal(str(tmp_path / "j.msgpack"), 0, 0)
+    ids = np.arange(5, dtype=np.int64) * 7
+    spans = np.asfortranarray(np.arange(15, dtype=np.int64).reshape(5, 3))
+    chunks = [
+        EventChunk(SAMPLE, 1, 2, 3, 0, ids, positions=ids + 1, digest=b"d" * 32),
+        EventChunk(SAMPLE, 1, 2, 3, 0, ids, positions=ids[::-1], values=["{}"] * 5),
+        EventChunk(
+            SPAN, 1, 2, 3, 0, ids, positions=ids + 1, token_start=spans[:, 0],
+            token_end=spans[:, 1], length=spans[:, 2],
+        ),
+    ]  # fmt: skip
+    for chunk in chunks:
+        general = msgpack.packb(
+            [
+                chunk.kind, chunk.epoch, chunk.batch, chunk.worker, chunk.position,
+                _raw(chunk.sample_ids), _extras(chunk), chunk.digest,
+            ],
+            use_bin_type=True,
+        )  # fmt: skip
+        assert journal._record(chunk)[1] == general
+        journal.append(chunk)
+    journal.close()
+    back = parse_journal((tmp_path / "j.msgpack").read_bytes()).chunks
+    assert [c.positions.tolist() for c in back] == [c.positions.tolist() for c in chunks]
+    assert back[2].token_end.tolist() == spans[:, 1].tolist()
+    assert back[1].values == ["{}"] * 5 and back[0].digest == b"d" * 32

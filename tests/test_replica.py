@@ -342,3 +342,26 @@ def test_the_workers_feed_equals_the_definition_with_payloads(case: tuple) -> No
         assert got == want
         if want is None:
             break
+
+
+def test_take_placed_after_slices_the_previous_id_or_declines():
+    """``IdFeed.take_placed_after``: the id handed on last and the next ``k`` (one slice),
+    exactly what ``take_placed`` would give after it; ``None`` (nothing taken) when the
+    previous id differs or no id was handed on yet."""
+    source = _source([40, 40])
+    pieces = [(0, 0, 40), (1, 0, 40)]
+    state = WorkerState(0)
+
+    def feed() -> IdFeed:
+        return IdFeed(source, pieces, state, [], 8, 5, lambda ids: ids * 10)
+
+    ref, got = feed(), feed()
+    first = ref.take_placed(3)[0]
+    assert got.take_placed_after(2, 0) is None  # nothing handed on yet
+    got.take_placed(3)
+    assert got.take_placed_after(2, int(first[-1]) + 1) is None  # another id
+    ids, places = got.take_placed_after(4, int(first[-1]))
+    want, _ = ref.take_placed(4)
+    assert ids.tolist() == [int(first[-1]), *want.tolist()]
+    assert places.tolist() == [i * 10 for i in ids.tolist()]
+    assert got.take(50).tolist() == ref.take(50).tolist()

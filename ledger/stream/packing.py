@@ -203,7 +203,7 @@ class PackState:
         # Span i's sample: the one in progress (index 0, if any), else the latest begun.
         index = np.empty(n, np.int64)
         index[0] = 0
-        np.add.accumulate((length <= end)[:-1].astype(np.int64), out=index[1:])
+        np.add.accumulate(~going[:-1], dtype=np.int64, out=index[1:])
         begun = int(index[-1]) + (doc is None)
         e, le = int(end[-1]), int(length[-1])
         self.doc = None if e >= le else (int(ids[-1]), e, le)

@@ -93,12 +93,19 @@ class Replica:
             return _NOWHERE
         doc = self.packing.doc
         index, begun = self.packing.fold_owners(ids, spans)
-        want, places = self.feed.take_placed(begun)
-        if doc is not None:  # the sample in progress owns the first spans
-            if self._doc_placed is None:  # a sample the replica did not begin
-                self._doc_placed = self.feed.locate(np.array(doc[:1], np.int64))  # type: ignore[misc]
-            want = np.concatenate((np.array(doc[:1], np.int64), want))
-            places = np.concatenate((self._doc_placed, places))
+        # The sample in progress (if any) owns the first spans: ``owners`` is it followed by
+        # the samples begun here. Mostly it is the id the feed handed on last, so one slice
+        # of the feed gives both (no copy).
+        after = None if doc is None else self.feed.take_placed_after(begun, doc[0])
+        if after is not None:
+            want, places = after
+        else:
+            want, places = self.feed.take_placed(begun)
+            if doc is not None:
+                if self._doc_placed is None:  # a sample the replica did not begin
+                    self._doc_placed = self.feed.locate(np.array(doc[:1], np.int64))  # type: ignore[misc]
+                want = np.concatenate((np.array(doc[:1], np.int64), want))
+                places = np.concatenate((self._doc_placed, places))
         if ids.dtype != np.int64:
             ids = ids.astype(np.int64)
         if want.size <= int(index[-1]) or want[index].tobytes() != ids.tobytes():

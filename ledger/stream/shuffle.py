@@ -333,6 +333,17 @@ class IdFeed:
         assert placed is not None
         return ids, placed
 
+    def take_placed_after(self, k: int, previous: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`take_placed` of ``k`` ids with the id handed on last before them, if
+        that id is ``previous`` and all lie in the current chunk (one slice each, no
+        copy): ``int64 (k + 1,)`` ids and positions. ``None`` (nothing taken) otherwise.
+        """
+        t = self._t
+        if t == 0 or t + k > len(self._out) or int(self._out[t - 1]) != previous:
+            return None
+        self._t = t + k
+        return self._out[t - 1 : t + k], self._positions()[t - 1 : t + k]
+
     def _positions(self) -> np.ndarray:
         if self._placed is None:
             if self.locate is None:
