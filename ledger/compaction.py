@@ -628,12 +628,22 @@ def read_piece(
             ) from e
         whole = pq.ParquetFile(pa.BufferReader(data))
         if cache is not None:  # one command reads the pieces of a file in a row
-            for k in [k for k in cache if k[0] == "compacted"]:
+            for k in [k for k in cache if k[0] in ("compacted", "compacted groups")]:
                 del cache[k]
             cache[key] = whole
     meta = whole.metadata
     start = sum(meta.row_group(g).num_rows for g in range(piece.first_group))
-    table = piece.rows_of(whole.read_row_groups(piece.row_groups), start)
+    # Pieces share row groups (64K rows, a segment is ~10^2): the groups last decoded are
+    # kept, so a command that reads the pieces of a file in a row decodes each group once.
+    groups_key = ("compacted groups", store.uri, piece.path)
+    held = cache.get(groups_key) if cache is not None else None
+    if held is not None and held[0] == piece.row_groups:
+        read = held[1]
+    else:
+        read = whole.read_row_groups(piece.row_groups)
+        if cache is not None:
+            cache[groups_key] = (piece.row_groups, read)
+    table = piece.rows_of(read, start)
     if (rows is not None and table.num_rows != rows) or table.num_rows != piece.rows:
         raise LogCorrupted(
             f"{store.full(piece.path)} holds {table.num_rows} rows of segment {rel}, "

@@ -776,7 +776,15 @@ class _CompactedFiles:
             mine.clear()
             pf = mine[piece.path] = pq.ParquetFile(pa.BufferReader(self._buffer(piece.path)))
         start = sum(pf.metadata.row_group(g).num_rows for g in range(piece.first_group))
-        read = pf.read_row_groups(piece.row_groups, columns=columns, use_threads=False)
+        # Pieces share row groups (64K rows, a segment is ~10^2): each thread keeps the
+        # groups it decoded last, so a group is decoded once per thread, not per piece.
+        wanted = (piece.path, piece.first_group, piece.groups, tuple(columns))
+        last = getattr(self.local, "groups", None)
+        if last is not None and last[0] == wanted:
+            read = last[1]
+        else:
+            read = pf.read_row_groups(piece.row_groups, columns=columns, use_threads=False)
+            self.local.groups = (wanted, read)
         table = piece.rows_of(read, start)
         if table.num_rows != ref.rows:
             raise LogCorrupted(
