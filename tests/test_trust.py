@@ -416,3 +416,41 @@ def test_a_changed_stream_row_is_caught_where_it_is_read_again(tmp_path, workers
         list(take(resumed, 2))
     assert "holds other rows than when this run first read it" in str(e.value)
     assert expected and all(t.startswith("row ") for b in expected for t in b)
+
+
+def test_verify_names_each_damaged_segment_among_many(tmp_path, monkeypatch):
+    """70 segments (more than one task of 64): ``verify`` reads them while it reads the
+    markers (all of them, some, none: ``_AHEAD_ROWS``) and names the same faults in the
+    same words: altered bytes, a missing file, a truncated one in the second task."""
+    from ledger.audit import scan
+
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(Augmented(400), batch_size=2, shuffle=True, seed=3, log=root)
+    it = iter(loader)
+    for _ in range(70):
+        next(it)
+        loader.state_dict()
+    clean = verify(root)
+    assert clean.ok and clean.segments == 70
+    assert clean.results[2].detail == "70 segments match their markers (210 events)"
+    seg = "events/attempt=0/rank=0/seg-{:012d}.parquet"
+    size = os.path.getsize(os.path.join(root, seg.format(66)))
+    _damage(os.path.join(root, seg.format(10)), "flip")
+    _damage(os.path.join(root, seg.format(40)), "delete")
+    _damage(os.path.join(root, seg.format(66)), "truncate")
+    found = []
+    for rows in (scan._AHEAD_ROWS, 150, 0):
+        monkeypatch.setattr(scan, "_AHEAD_ROWS", rows)
+        found.append(verify(root))
+    damaged = found[0]
+    assert [(r.check, r.ok) for r in damaged.results] == [
+        ("markers", True), ("chain", True), ("segments", False), ("duplicates", False),
+        ("orphans", True), ("manifest", True),
+    ]  # fmt: skip
+    assert damaged.results[2].detail == (
+        f"3 bad: {seg.format(10)} (commit 000000000010-0000) has another SHA-256 than its "
+        f"marker; {seg.format(40)} (commit 000000000040-0000) is missing; {seg.format(66)} "
+        f"(commit 000000000066-0000) has {size * 2 // 3} bytes, the marker says {size}"
+    )
+    assert damaged.results[3].detail == "not checked: the log is damaged"
+    assert found[1] == damaged and found[2] == damaged
