@@ -9,7 +9,9 @@ RNG modes (``DataLoader(rng=...)``, recorded in ``run.json``):
   plan, so a batch's draws do not depend on the number of workers nor on which worker
   loads it. numpy and ``random`` are seeded lazily: only once a batch of the process
   has drawn from them (that batch is loaded a second time, seeded; see
-  :func:`seeded_lazily`). Costs ~5 µs per batch for torch, ~15 µs more for the others.
+  :func:`seeded_lazily`). Costs ~7 µs per batch (~10 µs in the main process, which also
+  saves and restores the training loop's torch generator), ~15 µs more once numpy or
+  ``random`` is drawn from.
 * ``"sample"``: seeded before each ``dataset[i]`` from
   :func:`ledger.order.sample_seeds` of ``(seed, epoch, sample id)``: a sample's draws do
   not even depend on the batch it lands in (so they survive a change of world size or

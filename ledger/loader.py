@@ -147,7 +147,10 @@ class DataLoader:
         multiprocessing_context, prefetch_factor, persistent_workers: as for
             ``torch.utils.data.DataLoader``. ``drop_last=False`` serves a short final
             batch (never padded with duplicates); ``drop_last=True`` logs the dropped
-            positions as ``skip`` events.
+            positions as ``skip`` events. With ``num_workers=0`` a map-style dataset's
+            batches come from torch's single-process iterator driven by ledger, which
+            enters torch's per-batch profiler annotation only while a profiler runs
+            (:func:`ledger.pipeline.in_process`).
         rng: how torch, numpy and ``random`` are seeded for the dataset and the collate
             function (:mod:`ledger.fetch`): ``"batch"`` (default) once per batch from
             ``(seed, epoch, position of the batch's first sample)``, so augmentation does
