@@ -207,7 +207,10 @@ def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def open_run(
-    store: Store, config: dict[str, Any], phase_config: dict[str, Any] | None = None
+    store: Store,
+    config: dict[str, Any],
+    phase_config: dict[str, Any] | None = None,
+    existing: dict[str, Any] | None = None,
 ) -> str:
     """Create ``run.json`` for a new run, or check ``config`` against an existing one.
 
@@ -216,6 +219,8 @@ def open_run(
         config: JSON-serialisable configuration (dataset length, seed, batch size, ...).
         phase_config: the configuration of the phase being resumed (an attempt record's
             ``phase``), checked instead of ``run.json``'s; ``None``: the run's first phase.
+        existing: ``run.json`` as the caller just read it (:func:`read_run`; it never
+            changes once created), or ``None`` to look here.
 
     Returns:
         The run id (hex string).
@@ -224,6 +229,8 @@ def open_run(
         ConfigMismatch: if the root already holds a run whose config differs; names the
             first differing key with both values.
     """
+    if existing is not None:
+        return _check_config(existing, config, phase_config)
     if not store.exists(RUN_FILE):
         run = {
             "version": SCHEMA_VERSION,
@@ -236,10 +243,18 @@ def open_run(
             return str(run["run_id"])
         except CommitConflict:
             pass  # another process created it first: check against theirs
-    existing = read_run(store)
-    logged: dict[str, Any] = upgrade_config(
-        existing["config"] if phase_config is None else phase_config
-    )
+    return _check_config(read_run(store), config, phase_config)
+
+
+def _check_config(
+    run: dict[str, Any], config: dict[str, Any], phase_config: dict[str, Any] | None
+) -> str:
+    """``run``'s id if ``config`` matches its configuration (or ``phase_config``).
+
+    Raises:
+        ConfigMismatch: naming the first differing key with both values.
+    """
+    logged: dict[str, Any] = upgrade_config(run["config"] if phase_config is None else phase_config)
     for key in sorted((set(logged) | set(config)) - set(ELASTIC_KEYS)):
         if logged.get(key) != config.get(key):
             hint = _HINTS.get(key, "")
@@ -250,7 +265,7 @@ def open_run(
                     "phase of the run."
                 )
             raise ConfigMismatch(key, logged.get(key), config.get(key), hint)
-    return str(existing["run_id"])
+    return str(run["run_id"])
 
 
 PHASE_KEYS = ("mixture", "batch_size", "drop_last")
@@ -280,13 +295,24 @@ def read_run(store: Store) -> dict[str, Any]:
         LogCorrupted: if ``run.json`` is not JSON, of another version, or lacks or
             mangles ``run_id``, ``created_at``, ``config`` or a typed config key.
     """
-    if not store.exists(RUN_FILE):
+    run = find_run(store)
+    if run is None:
         hint = "".join(f"; did you mean {store.uri}/{name}?" for name in _runs_below(store))
         raise CommitNotFound(f"{store.uri} holds no ledger run (no {RUN_FILE}){hint}")
+    return run
+
+
+def find_run(store: Store) -> dict[str, Any] | None:
+    """Contents of ``run.json`` as :func:`read_run` checks them, or ``None`` if the root
+    holds no run (one read: no separate existence check).
+
+    Raises:
+        LogCorrupted: as :func:`read_run`.
+    """
     try:
         run = _load(store, RUN_FILE)
-    except FileNotFoundError as e:  # removed between the two calls
-        raise CommitNotFound(f"{store.uri} holds no ledger run (no {RUN_FILE})") from e
+    except FileNotFoundError:
+        return None
     where = store.full(RUN_FILE)
     require(run, "run_id", str, where)
     require(run, "created_at", str, where)

@@ -24,7 +24,7 @@ import torch.utils.data as tud
 
 from ledger import pipeline as pipelines
 from ledger import preemption, torch_args
-from ledger.commits import Commit, PipelineState, phase_of, read_run
+from ledger.commits import Commit, PipelineState, find_run, phase_of
 from ledger.errors import (
     BatchSkipped,
     CommitNotFound,
@@ -716,7 +716,7 @@ class DataLoader:
         self._ledger.enter_phase(phase)
         self._pipeline.enter_phase(phase)
         try:
-            run_id = self._ledger.open(self.config)
+            run_id = self._ledger.open(self.config, run)
         except ConfigMismatch as e:
             if e.field == "seed" and self._seed_from_torch:
                 raise ConfigMismatch(
@@ -808,8 +808,7 @@ class DataLoader:
         Raises:
             WrongRoot: if this root holds another run, or (moved) no run.
         """
-        store = self._ledger.store
-        run = read_run(store) if store.exists("run.json") else None
+        run = find_run(self._ledger.store)
         here = run["run_id"] if run is not None else None
         if here == token["run_id"] or (here is None and not moved):
             return run
@@ -888,7 +887,12 @@ class DataLoader:
 
 
 def _normal_root(root: str) -> str:
-    return root if "://" in root else Store(root).uri
+    """``root`` as :attr:`ledger.store.Store.uri` writes it (local paths made absolute)."""
+    if "://" in root:
+        return root
+    if os.sep == "/" and root.startswith("/"):
+        return os.path.abspath(root)  # what Store makes of an absolute path, without fsspec
+    return Store(root).uri
 
 
 def _check_token(token: Any) -> dict[str, Any]:

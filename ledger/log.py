@@ -135,15 +135,20 @@ class Ledger:
         """The normalised root URI (absolute path for local roots)."""
         return self.store.uri
 
-    def open(self, config: dict[str, Any]) -> str:
+    def open(self, config: dict[str, Any], run: dict[str, Any] | None = None) -> str:
         """Create or check ``run.json``; returns the run id.
+
+        Args:
+            config: the loader's configuration.
+            run: ``run.json`` as the caller just read it (:func:`ledger.commits.read_run`),
+                checked instead of reading it again; ``None``: read or create it here.
 
         Raises:
             ConfigMismatch: if the root holds a run with another configuration.
         """
         if self.run_id is None or config != self._config:
             phase_config = self.phase["config"] if self.phase is not None else None
-            self.run_id = open_run(self.store, config, phase_config)
+            self.run_id = open_run(self.store, config, phase_config, run)
             self._config = dict(config)
         return self.run_id
 

@@ -47,7 +47,7 @@ from ledger.fetch import batch_getter
 from ledger.mapstyle import MapPipeline
 from ledger.order import BatchPlan, EpochOrder, derive_key
 from ledger.pipeline import PHASE_BATCHING, LoaderSettings, refuse_phase
-from ledger.replay import replay, resume_elastic
+from ledger.replay import resume_elastic
 from ledger.schema import EventChunk
 from ledger.store import Store
 
@@ -639,7 +639,7 @@ class MixturePipeline(MapPipeline):
         if head.world_size != self.plan.world_size:
             state, skip = resume_elastic(store, head, self.plan, self.order, self.logged_ids)
             return state, [self._named(skip)] if skip is not None else []
-        return replay(store, head, self.plan, self.order, ids_of=self.logged_ids), []
+        return self._replay_same_shape(store, head, self.logged_ids), []
 
 
 class _Sized:

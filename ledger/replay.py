@@ -51,7 +51,8 @@ class Order(Protocol):
     def range(self, start: int, stop: int) -> np.ndarray: ...
 
 
-def _sample_ids(rows: pa.Table) -> np.ndarray:
+def logged_sample_ids(rows: pa.Table) -> np.ndarray:
+    """The ``sample_id`` column of logged events (``int64``): the ids a map-style order gives."""
     return rows["sample_id"].to_numpy()
 
 
@@ -68,7 +69,7 @@ def _strings(column: pa.ChunkedArray) -> np.ndarray:
     return np.asarray(column.to_pylist(), dtype=object)
 
 
-def _last_batch(store: Store, ref: SegmentRef) -> tuple[pa.Table, Callable[[], None]]:
+def _last_batch(segment: segments.CheckedLater, ref: SegmentRef) -> pa.Table:
     """The positions the last batch of a segment took, reading only its tail: its
     ``sample`` events and its ``error`` events (samples left out, ``on_error="skip"``),
     or the ``rollback`` events of a batch skipped on purpose; by position.
@@ -79,26 +80,18 @@ def _last_batch(store: Store, ref: SegmentRef) -> tuple[pa.Table, Callable[[], N
     own (:func:`ledger.segments.encode`), so a resume decodes a few hundred rows. Without
     statistics, groups are decoded from the end until one starts with an earlier batch.
 
-    Returns:
-        ``(rows, confirm)``: the segment's SHA-256 is checked on a background thread
-        (:func:`ledger.segments.open_segment_checked_later`); call ``confirm()`` before
-        trusting the rows (it raises :class:`LogCorrupted` for an altered file).
+    The segment's SHA-256 is being checked on a background thread: the caller must call
+    ``segment.confirm()`` before trusting the rows, and also when this raises, so that an
+    altered file is named as such, whatever reading it raised.
     """
-    pf, confirm = segments.open_segment_checked_later(
-        store, ref.path, rows=ref.rows, checksum=ref.sha256
-    )
-    try:
-        return _tail_rows(pf, ref), confirm
-    except Exception:
-        confirm()  # an altered file is named as such, whatever reading it raised
-        raise
+    return _tail_rows(segment.file(), ref)
 
 
 def _tail_rows(pf: pq.ParquetFile, ref: SegmentRef) -> pa.Table:
     columns = ["epoch", "batch", "position", "sample_id", "kind"]
-    schema = pf.schema_arrow  # converted from the Parquet schema on every access
-    batch_column = schema.get_field_index("batch")
-    if "source" in schema.names:  # a mixture's events name their source
+    names = pf.metadata.schema.names  # Parquet's: the Arrow schema costs ~25 us to build
+    batch_column = names.index("batch") if "batch" in names else -1
+    if "source" in names:  # a mixture's events name their source
         columns.append("source")
     groups: list[pa.Table] = []
     last = None
@@ -112,26 +105,26 @@ def _tail_rows(pf: pq.ParquetFile, ref: SegmentRef) -> pa.Table:
         # One thread: a few hundred rows, and a thread pool's wake-ups cost more.
         group = pf.read_row_group(i, columns=columns, use_threads=False)
         groups.insert(0, group)
-        last = group["batch"][-1].as_py() if last is None else last
-        if group["batch"][0].as_py() < last:
+        batches = group["batch"].to_numpy()
+        last = int(batches[-1]) if last is None else last
+        if batches[0] < last:
             break
     if last is None:
         raise LogCorrupted(f"segment {ref.path} holds no events")
     # numpy rather than Arrow compute kernels: a few hundred rows, where each kernel
-    # call's dispatch costs more than the work.
+    # call's dispatch costs more than the work; the table is cut once, by row numbers.
     table = pa.concat_tables(groups) if len(groups) > 1 else groups[0]
     batches = table["batch"].to_numpy()
-    first = int(np.searchsorted(batches, last, side="left"))
-    table = table.slice(first)  # batch indexes never decrease within a segment
-    took = _kind_in(table["kind"], (SAMPLE, ERROR, ROLLBACK))
-    if not took.all():
-        table = table.filter(pa.array(took))
-    positions = table["position"].to_numpy()
-    if positions.size > 1 and not (positions[1:] >= positions[:-1]).all():
-        table = table.take(pa.array(np.argsort(positions, kind="stable")))
-    if table.num_rows == 0:
+    first = int(np.searchsorted(batches, last, side="left"))  # batch indexes never decrease
+    rows = first + np.flatnonzero(_kind_in(table["kind"], (SAMPLE, ERROR, ROLLBACK))[first:])
+    if rows.size == 0:
         raise LogCorrupted(f"segment {ref.path} ends with batch {last} but holds no sample of it")
-    return table
+    positions = table["position"].to_numpy()[rows]
+    if rows.size > 1 and not (positions[1:] >= positions[:-1]).all():
+        rows = rows[np.argsort(positions, kind="stable")]
+    elif int(rows[-1]) - int(rows[0]) + 1 == rows.size:  # one run of rows: no copy
+        return table.slice(int(rows[0]), rows.size)
+    return table.take(pa.array(rows))
 
 
 def _kind_in(column: pa.ChunkedArray, kinds: tuple[str, ...]) -> np.ndarray:
@@ -140,8 +133,8 @@ def _kind_in(column: pa.ChunkedArray, kinds: tuple[str, ...]) -> np.ndarray:
     if not pa.types.is_dictionary(column.type):
         return np.isin(_strings(column), kinds)
     parts = []
-    for chunk in column.chunks:
-        wanted = np.isin(np.asarray(chunk.dictionary.to_pylist(), dtype=object), kinds)
+    for chunk in column.chunks:  # a dictionary holds a few kinds: a list beats np.isin
+        wanted = np.array([kind in kinds for kind in chunk.dictionary.to_pylist()], np.bool_)
         parts.append(wanted[chunk.indices.to_numpy(zero_copy_only=False)])
     return np.concatenate(parts) if parts else np.zeros(0, np.bool_)
 
@@ -175,7 +168,8 @@ def replay(
     plan: BatchPlan,
     order_for: Callable[[int], Order],
     ref: SegmentRef | bool | None = True,
-    ids_of: Callable[[pa.Table], np.ndarray] = _sample_ids,
+    ids_of: Callable[[pa.Table], np.ndarray] = logged_sample_ids,
+    meanwhile: Callable[[], None] | None = None,
 ) -> PipelineState:
     """Rebuild rank ``plan.rank``'s pipeline state at ``head`` from the log's events.
 
@@ -192,6 +186,8 @@ def replay(
             the rank has none); ``True``: look it up here.
         ids_of: the ids the order gives, of logged events (default: their
             ``sample_id``; a mixture's join ``source`` and ``sample_id``).
+        meanwhile: work to do while the segment is read and hashed on a background
+            thread (the map-style pipeline computes the ids it expects there).
 
     Returns:
         The state of the rank after the last event of the lineage.
@@ -215,13 +211,16 @@ def replay(
             )
         return folded
 
-    rows, confirm = _last_batch(store, ref)
+    segment = segments.CheckedLater(store, ref.path, rows=ref.rows, checksum=ref.sha256)
     try:
+        if meanwhile is not None:
+            meanwhile()
+        rows = _last_batch(segment, ref)
         folded = _fold_last_batch(head, plan, order_for, ids_of, rows)
     except Exception:
-        confirm()  # an altered segment is named as such, not as a mismatch
+        segment.confirm()  # an altered segment is named as such, not as a mismatch
         raise
-    confirm()
+    segment.confirm()
     return folded
 
 
@@ -281,7 +280,7 @@ def resume_elastic(
     head: Commit,
     plan: BatchPlan,
     order_for: Callable[[int], Order],
-    ids_of: Callable[[pa.Table], np.ndarray] = _sample_ids,
+    ids_of: Callable[[pa.Table], np.ndarray] = logged_sample_ids,
     before: BatchPlan | None = None,
 ) -> tuple[PipelineState, EventChunk | None]:
     """State of one rank of a new world size resuming ``head`` (map-style datasets).

@@ -10,7 +10,6 @@ then zstd; ``kind`` is dictionary-encoded. Measured by
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -193,43 +192,68 @@ def open_segment(
     return _parse(store, rel, data, rows)
 
 
-def open_segment_checked_later(
-    store: Store, rel: str, *, rows: int | None, checksum: str | None
-) -> tuple[pq.ParquetFile, Callable[[], None]]:
-    """:func:`open_segment`, with the SHA-256 computed on a background thread meanwhile.
+class CheckedLater:
+    """A segment read and hashed on a background thread, for a resume, which decodes
+    only its final batch (:func:`ledger.replay.replay`).
 
-    For a resume, which decodes only a segment's final batch: hashing the whole file
-    (~1 ms per 1.4 MB) overlaps with the decoding and the checks that follow, on another
-    core (hashlib releases the GIL). The caller must call the returned ``confirm()``
-    before it trusts anything it read, and call it also when reading raised, so that an
-    altered file is named as such.
+    The thread reads the file, hands the bytes on (:meth:`file` parses them in the
+    caller's thread) and then computes their SHA-256 (~1 ms per 1.4 MB; hashlib and
+    file reads release the GIL), so reading and hashing overlap with the caller's work
+    on another core. The bytes decoded are the bytes hashed. The caller must call
+    :meth:`confirm` before it trusts anything it read, and also when reading raised,
+    so that an altered file is named as such.
 
-    Returns:
-        ``(file, confirm)``: ``confirm()`` waits for the hash and raises
-        :class:`LogCorrupted` if it differs from ``checksum`` (a no-op without one).
-
-    Raises:
-        LogCorrupted: as :func:`open_segment` (the checksum first when the file does not
-            parse).
+    Args:
+        store: the log's store.
+        rel: relative path of the segment.
+        rows: expected number of rows (from the commit marker), or ``None``.
+        checksum: expected hex SHA-256 of the file, or ``None`` to skip the check.
     """
-    data = _read(store, rel, rows, checksum)
-    if isinstance(data, pq.ParquetFile) or checksum is None:
-        pf = data if isinstance(data, pq.ParquetFile) else _parse(store, rel, data, rows)
-        return pf, _no_check
-    found = _hasher().submit(sha256, data)
 
-    def confirm() -> None:
-        _check_checksum(store, rel, found.result(), checksum)
+    def __init__(self, store: Store, rel: str, *, rows: int | None, checksum: str | None) -> None:
+        self.store = store
+        self.rel = rel
+        self.rows = rows
+        self.checksum = checksum
+        self._data: Future[bytes | pq.ParquetFile] = Future()
+        self._hash = _hasher().submit(self._read_and_hash)
 
-    try:
-        return _parse(store, rel, data, rows), confirm
-    except LogCorrupted:
-        confirm()  # altered after commit: say so rather than "not readable"
-        raise
+    def _read_and_hash(self) -> str | None:
+        try:
+            data = _read(self.store, self.rel, self.rows, self.checksum)
+        except BaseException as e:
+            self._data.set_exception(e)
+            return None
+        self._data.set_result(data)
+        if isinstance(data, pq.ParquetFile) or self.checksum is None:
+            return None  # a compacted piece was checked as it was read
+        return sha256(data)
 
+    def file(self) -> pq.ParquetFile:
+        """The segment, parsed from the bytes being hashed (waits for the read).
 
-def _no_check() -> None:
-    return None
+        Raises:
+            LogCorrupted: if the file is missing, or does not parse (after :meth:`confirm`:
+                an altered file is named as such rather than as unreadable).
+        """
+        data = self._data.result()
+        if isinstance(data, pq.ParquetFile):
+            return data
+        try:
+            return _parse(self.store, self.rel, data, self.rows, _CODES)
+        except LogCorrupted:
+            self.confirm()
+            raise
+
+    def confirm(self) -> None:
+        """Wait for the hash; a no-op without a checksum.
+
+        Raises:
+            LogCorrupted: if the file's SHA-256 differs from the marker's, or it is missing.
+        """
+        found = self._hash.result()
+        if found is not None and self.checksum is not None:
+            _check_checksum(self.store, self.rel, found, self.checksum)
 
 
 _HASHER: tuple[int, ThreadPoolExecutor] | None = None
@@ -273,10 +297,17 @@ def _check_checksum(store: Store, rel: str, found: str, checksum: str) -> None:
         )
 
 
-def _parse(store: Store, rel: str, data: bytes, rows: int | None) -> pq.ParquetFile:
+# Read as the dictionary codes stored (every segment has the column): under the Arrow
+# schema's int8 codes the decoded strings are encoded again, ~60 us more for a batch.
+_CODES = ["kind"]
+
+
+def _parse(
+    store: Store, rel: str, data: bytes, rows: int | None, read_dictionary: list[str] | None = None
+) -> pq.ParquetFile:
     where = store.full(rel)
     try:
-        pf = pq.ParquetFile(pa.BufferReader(data))
+        pf = pq.ParquetFile(pa.BufferReader(data), read_dictionary=read_dictionary)
         num_rows = pf.metadata.num_rows
     except (pa.ArrowException, OSError, ValueError) as e:  # ValueError: a mangled footer
         raise LogCorrupted(f"segment {where} is not a readable Parquet file: {e}") from e

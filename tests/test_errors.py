@@ -103,6 +103,16 @@ def test_altered_segment_is_detected(root, where):
         fresh.load_state_dict(token)
 
 
+def test_a_missing_newest_segment_is_named_on_resume(root):
+    # The segment is read on the checksum's background thread: its error reaches the caller.
+    token = _token(root)
+    seg = os.path.join(root, read_commit(Store(root), token["commit"]).segments[0].path)
+    os.unlink(seg)
+    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root)
+    with pytest.raises(LogCorrupted, match=r"seg-000000000003\.parquet named by a commit marker"):
+        fresh.load_state_dict(token)
+
+
 def test_changed_order_is_caught_by_verification_not_config(root, monkeypatch):
     token = _token(root)
     # Same configuration, different order function (e.g. a changed algorithm that kept

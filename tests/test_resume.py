@@ -181,3 +181,33 @@ def test_resume_decodes_only_the_final_batch(root, monkeypatch):
     from ledger.digest import batch_digest
 
     assert batch_digest(next(iter(resumed))) == batch_digest(next(iter(expected)))
+
+
+def test_the_first_request_after_a_resume_takes_the_ids_the_check_computed(root, monkeypatch):
+    """Replay checks the last logged batch against the order, and computes in the same
+    call the ids of the first chunk of batches after it: the first batch after a resume
+    costs no second pass of the order, and is the uninterrupted run's."""
+    from ledger.digest import batch_digest
+    from ledger.order import EpochOrder
+
+    def make(where: str) -> ledger.DataLoader:
+        return ledger.DataLoader(Augmented(200), batch_size=4, shuffle=True, seed=2, log=where)
+
+    loader = make(root)
+    list(take(loader, 10))
+    token = loader.state_dict()
+    calls: list[int] = []
+    sample_ids = EpochOrder.sample_ids
+
+    def counting(self, positions):
+        calls.append(len(positions))
+        return sample_ids(self, positions)
+
+    monkeypatch.setattr(EpochOrder, "sample_ids", counting)
+    resumed = make(root)
+    resumed.load_state_dict(token)
+    first = next(iter(resumed))
+    assert calls == [4 + 40 * 4]  # the last batch and the rest of the epoch (its chunk)
+    monkeypatch.setattr(EpochOrder, "sample_ids", sample_ids)
+    expected = make(root + "2")
+    assert batch_digest(first) == batch_digest(list(take(expected, 11))[-1])
