@@ -53,7 +53,7 @@ class Order(Protocol):
 
 def logged_sample_ids(rows: pa.Table) -> np.ndarray:
     """The ``sample_id`` column of logged events (``int64``): the ids a map-style order gives."""
-    return rows["sample_id"].to_numpy()
+    return _numpy(rows["sample_id"])
 
 
 def _strings(column: pa.ChunkedArray) -> np.ndarray:
@@ -105,7 +105,7 @@ def _tail_rows(pf: pq.ParquetFile, ref: SegmentRef) -> pa.Table:
         # One thread: a few hundred rows, and a thread pool's wake-ups cost more.
         group = pf.read_row_group(i, columns=columns, use_threads=False)
         groups.insert(0, group)
-        batches = group["batch"].to_numpy()
+        batches = _numpy(group["batch"])
         last = int(batches[-1]) if last is None else last
         if batches[0] < last:
             break
@@ -114,17 +114,24 @@ def _tail_rows(pf: pq.ParquetFile, ref: SegmentRef) -> pa.Table:
     # numpy rather than Arrow compute kernels: a few hundred rows, where each kernel
     # call's dispatch costs more than the work; the table is cut once, by row numbers.
     table = pa.concat_tables(groups) if len(groups) > 1 else groups[0]
-    batches = table["batch"].to_numpy()
-    first = int(np.searchsorted(batches, last, side="left"))  # batch indexes never decrease
+    first = int(np.searchsorted(_numpy(table["batch"]), last, side="left"))  # never decrease
     rows = first + np.flatnonzero(_kind_in(table["kind"], (SAMPLE, ERROR, ROLLBACK))[first:])
     if rows.size == 0:
         raise LogCorrupted(f"segment {ref.path} ends with batch {last} but holds no sample of it")
-    positions = table["position"].to_numpy()[rows]
+    positions = _numpy(table["position"])[rows]
     if rows.size > 1 and not (positions[1:] >= positions[:-1]).all():
         rows = rows[np.argsort(positions, kind="stable")]
     elif int(rows[-1]) - int(rows[0]) + 1 == rows.size:  # one run of rows: no copy
         return table.slice(int(rows[0]), rows.size)
     return table.take(pa.array(rows))
+
+
+def _numpy(column: pa.ChunkedArray) -> np.ndarray:
+    """A non-null numeric column as numpy (one chunk: its buffer, ~20 us less than the
+    ChunkedArray's conversion)."""
+    if column.num_chunks == 1:
+        return column.chunk(0).to_numpy()
+    return column.to_numpy()
 
 
 def _kind_in(column: pa.ChunkedArray, kinds: tuple[str, ...]) -> np.ndarray:
@@ -135,7 +142,9 @@ def _kind_in(column: pa.ChunkedArray, kinds: tuple[str, ...]) -> np.ndarray:
     parts = []
     for chunk in column.chunks:  # a dictionary holds a few kinds: a list beats np.isin
         wanted = np.array([kind in kinds for kind in chunk.dictionary.to_pylist()], np.bool_)
-        parts.append(wanted[chunk.indices.to_numpy(zero_copy_only=False)])
+        parts.append(wanted[chunk.indices.to_numpy()])
+    if len(parts) == 1:
+        return parts[0]
     return np.concatenate(parts) if parts else np.zeros(0, np.bool_)
 
 
@@ -236,11 +245,11 @@ def _fold_last_batch(
     :func:`replay`)."""
     rank = plan.rank
     recorded = head.state(rank)
-    epoch = int(rows["epoch"][0].as_py())
-    positions = rows["position"].to_numpy()
+    epoch = int(_numpy(rows["epoch"])[0])
+    positions = _numpy(rows["position"])
     ids = ids_of(rows)
 
-    last = int(rows["batch"][0].as_py())
+    last = int(_numpy(rows["batch"])[0])
     if recorded.epoch == epoch:
         plan = replace(plan, start=recorded.epoch_start)
         k = (int(positions[0]) - plan.start) // plan.step_size
