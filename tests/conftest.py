@@ -124,7 +124,7 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> int:
         except BaseException as e:  # handed to the calling thread
             outcome.append(e)
 
-    omp = os.environ.get("OMP_NUM_THREADS")
+    environ = dict(os.environ)  # restored after: the launcher sets variables of its own
     os.environ["OMP_NUM_THREADS"] = "1"  # the ranks' environment (the command sets it too)
     try:
         agent = threading.Thread(target=launch, name="torchrun", daemon=True)
@@ -138,10 +138,8 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> int:
             agent.join(30)
             raise TimeoutError(f"torchrun {script} {' '.join(args)} ran past {timeout} s")
     finally:
-        if omp is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = omp
+        os.environ.clear()
+        os.environ.update(environ)
     if isinstance(outcome[0], ChildFailedError):
         return 1
     if outcome[0] is not None:
