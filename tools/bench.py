@@ -37,6 +37,7 @@ Example:
     python tools/bench.py --quick    # a smaller run (about 1 minute)
     python tools/bench.py --manifest # the manifest's cost on the commit path (seconds)
     python tools/bench.py --stream   # only the Stream rows (about 3 minutes)
+    python tools/bench.py --ttfb     # only the time-to-first-batch rows (about 30 seconds)
 """
 
 from __future__ import annotations
@@ -269,7 +270,12 @@ def throughput_table(cfg: Config, best: dict[tuple[str, int], float], title: str
 # ---------------------------------------------------------------------- 2. resume TTFB
 
 
-def _first_batch_seconds(make: Callable[[], Any], token: dict[str, Any] | None) -> float:
+def _first_batch_seconds(
+    make: Callable[[], Any], token: dict[str, Any] | None
+) -> tuple[float, float]:
+    """Wall-clock and process CPU seconds (all threads: the resume's background hash
+    too) to construct a loader, load ``token`` if given, and take its first batch."""
+    c0 = time.process_time()
     t0 = time.perf_counter()
     loader = make()
     if token is not None:
@@ -277,8 +283,9 @@ def _first_batch_seconds(make: Callable[[], Any], token: dict[str, Any] | None) 
     it = iter(loader)
     next(it)
     secs = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     del it  # shuts the workers down, outside the timed region
-    return secs
+    return secs, cpu
 
 
 def _half_epoch_token(make: Callable[[], Any], half: int) -> dict[str, Any]:
@@ -292,7 +299,8 @@ def _half_epoch_token(make: Callable[[], Any], half: int) -> dict[str, Any]:
 
 
 def resume_ttfb(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, int], tuple]:
-    """(loader, nw) -> (median fresh s, median resume s), repeats interleaved."""
+    """(loader, nw) -> (median fresh s, median resume s, their process CPU s, best fresh
+    s, best resume s), repeats interleaved (wall-clock medians decide the goal)."""
     half = math.ceil(cfg.n / cfg.batch_size) // 2
     candidates = {LEDGER: (_ledger_loader(), True)}
     if StatefulDataLoader is not None:
@@ -309,10 +317,21 @@ def resume_ttfb(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, 
                 resume.append(_first_batch_seconds(partial(make, cfg, nw, root), token))
                 if logs:
                     shutil.rmtree(fresh_root, ignore_errors=True)
-            out[name, nw] = (statistics.median(fresh), statistics.median(resume))
+            f_wall, f_cpu = [w for w, _ in fresh], [c for _, c in fresh]
+            r_wall, r_cpu = [w for w, _ in resume], [c for _, c in resume]
+            med = statistics.median
+            out[name, nw] = (
+                med(f_wall),
+                med(r_wall),
+                med(f_cpu),
+                med(r_cpu),
+                min(f_wall),
+                min(r_wall),
+            )
             console.print(
-                f"ttfb nw={nw} {name}: fresh {out[name, nw][0] * 1e3:.1f} ms, "
-                f"resume {out[name, nw][1] * 1e3:.1f} ms"
+                f"ttfb nw={nw} {name}: fresh {med(f_wall) * 1e3:.1f} ms "
+                f"(CPU {med(f_cpu) * 1e3:.1f}), resume {med(r_wall) * 1e3:.1f} ms "
+                f"(CPU {med(r_cpu) * 1e3:.1f})"
             )
             if logs:
                 shutil.rmtree(root, ignore_errors=True)
@@ -322,13 +341,23 @@ def resume_ttfb(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, 
 def ttfb_table(cfg: Config, res: dict[tuple[str, int], tuple]) -> Table:
     t = Table(
         title=f"2. Time to first batch: resume at 50% of the epoch vs fresh, N={cfg.n:,}, "
-        f"median of {cfg.ttfb_repeats}"
+        f"median of {cfg.ttfb_repeats} (best in brackets; CPU: the process's, all threads)"
     )
-    for col in ("loader", "workers", "fresh ms", "resume ms", "resume / fresh"):
+    cols = ("loader", "workers", "fresh ms", "resume ms", "resume / fresh", "fresh CPU ms",
+            "resume CPU ms", "CPU resume / fresh")  # fmt: skip
+    for col in cols:
         t.add_column(col, justify="left" if col == "loader" else "right")
-    for (name, nw), (fresh, resume) in sorted(res.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (name, nw), row in sorted(res.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        fresh, resume, f_cpu, r_cpu, f_best, r_best = row
         t.add_row(
-            name, str(nw), f"{fresh * 1e3:.1f}", f"{resume * 1e3:.1f}", f"{resume / fresh:.2f}"
+            name,
+            str(nw),
+            f"{fresh * 1e3:.1f} ({f_best * 1e3:.1f})",
+            f"{resume * 1e3:.1f} ({r_best * 1e3:.1f})",
+            f"{resume / fresh:.2f} ({r_best / f_best:.2f})",
+            f"{f_cpu * 1e3:.1f}",
+            f"{r_cpu * 1e3:.1f}",
+            f"{r_cpu / f_cpu:.2f}",
         )
     return t
 
@@ -693,7 +722,7 @@ def goals_table(
     row("digest: µs per batch hashing it (main process at 0 workers)", digest["hash"], "<= 5",
         digest["hash"] <= 5)  # fmt: skip
     for nw in cfg.workers:
-        fresh, resume = ttfb[LEDGER, nw]
+        fresh, resume = ttfb[LEDGER, nw][:2]
         row(f"resume TTFB ratio, workers={nw}", resume / fresh, "<= 1.1", resume / fresh <= 1.1)
     ideal = math.log2(cfg.bytes_n) / 8
     r = nbytes["sizes"]["events/"] / nbytes["events"] / ideal
@@ -704,7 +733,9 @@ def goals_table(
 # ---------------------------------------------------------------------- main
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None, bool]:
+def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None, str | None]:
+    """The configuration, the log roots' directory, and ``"stream"`` or ``"ttfb"`` to
+    run only those rows (``None``: everything)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--quick",
@@ -726,6 +757,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None, bool]
         help="only the Stream rows: throughput and main-process work (tools/bench_stream.py)",
     )
     p.add_argument(
+        "--ttfb",
+        action="store_true",
+        help="only the time-to-first-batch rows (table 2) and their goals",
+    )
+    p.add_argument(
         "--manifest",
         action="store_true",
         help="instead: only the manifest's share of a commit (table 6)",
@@ -736,7 +772,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None, bool]
         help="instead: audit a log of 10^8 events (tools/bench_audit.py; --root DIR after it)",
     )
     a = p.parse_args(argv)
-    stream_only = a.stream
+    only = "stream" if a.stream else "ttfb" if a.ttfb else None
     cfg = Config(
         n=a.n or (200_000 if a.quick else 1_000_000),
         batch_size=a.batch_size,
@@ -748,7 +784,27 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None, bool]
         seed=a.seed,
         quick=a.quick,
     )
-    return cfg, a.tmpdir, stream_only
+    return cfg, a.tmpdir, only
+
+
+def ttfb_only(cfg: Config, tmpdir: str | None, console: Console) -> None:
+    """The time-to-first-batch rows alone, with their goals."""
+    roots = Roots(tmpdir)
+    try:
+        res = resume_ttfb(cfg, roots, console)
+    finally:
+        roots.cleanup()
+    console.print(ttfb_table(cfg, res))
+    t = Table(title="Goals (issue 11), time to first batch")
+    for col in ("goal", "measured", "target", "met"):
+        t.add_column(col, justify="left" if col == "goal" else "right")
+    for nw in cfg.workers:
+        fresh, resume = res[LEDGER, nw][:2]
+        ok = resume / fresh <= 1.1
+        t.add_row(f"resume TTFB ratio, workers={nw}", f"{resume / fresh:.3f}", "<= 1.1",
+                  "yes" if ok else "[bold red]no[/]")  # fmt: skip
+    console.print(t)
+    console.print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
 
 
 def stream_only(cfg: Config, tmpdir: str | None, console: Console) -> None:
@@ -788,12 +844,16 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["--manifest"]:
         Console(width=120).print(manifest_cost(tempfile.gettempdir()))
         return
-    cfg, tmpdir, only_streams = parse_args(argv)
+    cfg, tmpdir, only = parse_args(argv)
     console = Console()
     if console.width < 120:  # piped output: rich would wrap the tables at 80 columns
         console = Console(width=120)
-    if only_streams:
+    if only == "stream":
         stream_only(cfg, tmpdir, console)
+        return
+    if only == "ttfb":
+        console.print(f"load average at the start: {os.getloadavg()[0]:.2f}")
+        ttfb_only(cfg, tmpdir, console)
         return
     console.print(
         f"ledger {ledger.__version__}, torch {torch.__version__}, "
