@@ -179,6 +179,10 @@ class ShardedSource:
                     skip = start_row - int(starts[g]) if g == first else 0
                     if skip < len(rows):
                         yield rows[skip:] if skip else rows
+                    # Hold no block while the next one is decoded: the garbage collector
+                    # runs while its rows are made, and would find the last block alive,
+                    # move its rows to the old generation and collect that more often.
+                    del rows
         else:
             lines = self._lines[shard]
             for lo in range(start_row, len(lines) - 1, _JSONL_BLOCK):

@@ -104,6 +104,9 @@ class Feed:
                 self._rows = self._read(file, self._row, stop)
                 self._block, self._at = [], 0
             if self._at == len(self._block):
+                # Drop the read block before the next one is decoded (see
+                # ShardedSource.iter_blocks: fewer rows reach the collector's old generation).
+                self._block = []
                 self._block, self._at = next(self._rows), 0
             at = self._at
             n = min(stop - self._row, rows_read - self._rows_read, len(self._block) - at)
