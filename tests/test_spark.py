@@ -61,15 +61,17 @@ def _spark_or_skip():
         pytest.skip("java is not installed")
     from ledger.audit import spark as engine
 
-    # Tiny logs: one partition, and no code generation or adaptive re-planning, whose
-    # compile and planning time dominates queries over a few hundred rows; the JVM's
-    # quick JIT only (C1): with C2 the module took about 4x longer here.
+    # Tiny logs: one partition, and no code generation (whole-stage or per expression:
+    # expressions interpreted, as Spark's own test suites also run them) or adaptive
+    # re-planning, whose compile and planning time dominates queries over a few hundred
+    # rows; the JVM's quick JIT only (C1): with C2 the module took about 4x longer here.
     config = {
         "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
         "spark.sql.shuffle.partitions": "1",
         "spark.default.parallelism": "1",
         "spark.sql.codegen.wholeStage": "false",
         "spark.sql.adaptive.enabled": "false",
+        "spark.sql.codegen.factoryMode": "NO_CODEGEN",
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
     }
