@@ -112,12 +112,13 @@ class Feed:
             n = min(stop - self._row, rows_read - self._rows_read, len(self._block) - at)
             base = self._base[self._shard] + self._row
             records = self._block[at : at + n]
-            if load is None:
-                for sid, record in zip(range(base, base + n), records, strict=True):
-                    held[sid] = record
-            else:
-                for sid, record in zip(range(base, base + n), records, strict=True):
-                    held[sid] = load(sid, record)
+            sids = range(base, base + n)
+            payloads = records if load is None else map(load, sids, records)
+            if type(held) is dict:  # no Python loop per row
+                held.update(zip(sids, payloads, strict=True))
+            else:  # a mixture lane's holder keeps repeats in its __setitem__
+                for sid, payload in zip(sids, payloads, strict=True):
+                    held[sid] = payload
             self._at = at + n
             self._row += n
             self._rows_read += n
