@@ -46,7 +46,7 @@ from ledger.commits import (
     read_commit,
     read_run,
 )
-from ledger.compaction import catalogued
+from ledger.compaction import catalogued, piece_table
 from ledger.errors import LogCorrupted
 from ledger.history import read_history
 from ledger.segments import orphans
@@ -387,11 +387,15 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
         return Verification((CheckResult("markers", False, str(e)),), 0, 0, 0)
     key = "position" if "mixture" in config else "sample_id"  # see summary.counts
     packed = bool(config.get("packer"))
+    try:  # segments a compaction holds are read from its files by the scan
+        compacted = frozenset(piece_table(store)["path"].to_pylist())
+    except LogCorrupted:  # the scan names it
+        compacted = frozenset()
     # Each commit's segments are read on a pool of threads as soon as its marker is read
     # (Arrow and hashlib work outside the GIL) while this thread reads the next markers;
     # the manifests are read and hashed on another thread meanwhile.
     with (
-        SegmentsAhead(store, scan_columns(key, packed, positions=False)) as ahead,
+        SegmentsAhead(store, scan_columns(key, packed, positions=False), skip=compacted) as ahead,
         ThreadPoolExecutor(1, thread_name_prefix="ledger-verify") as side,
     ):
         try:

@@ -714,6 +714,8 @@ class SegmentsAhead:
         columns: the event columns to decode (:func:`scan_columns` of the scan's options).
         threads: segments read at once (default 4).
         max_rows: rows held decoded at most (default :data:`_AHEAD_ROWS`).
+        skip: segment paths not to read (those a compaction holds: the scan reads their
+            rows from the compacted files).
     """
 
     def __init__(
@@ -722,10 +724,12 @@ class SegmentsAhead:
         columns: list[str],
         threads: int | None = None,
         max_rows: int | None = None,
+        skip: frozenset[str] = frozenset(),
     ) -> None:
         self.store = store
         self.columns = columns
         self.max_rows = _AHEAD_ROWS if max_rows is None else max_rows
+        self.skip = skip
         self.rows = 0
         self._pool = ThreadPoolExecutor(max(1, threads or 4), thread_name_prefix="ledger-ahead")
         self._batch: list[tuple[str, int, SegmentRef]] = []
@@ -742,6 +746,8 @@ class SegmentsAhead:
     def add(self, commit: Commit) -> None:
         """Start reading the segments ``commit``'s marker names (as many as fit)."""
         for ref in commit.segments:
+            if ref.path in self.skip:
+                continue
             rows = max(ref.rows, 0)  # a segment decodes only if it has its marker's rows
             if self._full or self.rows + rows > self.max_rows:
                 self._full = True
