@@ -1053,9 +1053,7 @@ def _manifest_fields(data: dict[str, Any], cid: str, where: str) -> dict[str, An
     return extra
 
 
-def list_commits(
-    store: Store, *, catalog: bool = True, each: Callable[[Commit], None] | None = None
-) -> list[Commit]:
+def list_commits(store: Store, *, catalog: bool = True) -> list[Commit]:
     """Every commit marker under the root, sorted by (attempt, step).
 
     Files under ``commits/`` whose names are not commit ids are ignored. The listing of
@@ -1070,9 +1068,6 @@ def list_commits(
     Args:
         store: the log root.
         catalog: ``False`` reads every marker itself (``ledger verify``).
-        each: called with each commit as soon as its marker is read, in the order of the
-            listing (``ledger verify`` starts reading a commit's segments meanwhile); not
-            called for commits a catalog holds, nor when the command listed them already.
 
     Raises:
         LogCorrupted: if a marker is damaged (see :func:`read_commit`), or a catalog.
@@ -1089,12 +1084,7 @@ def list_commits(
     out = []
     with no_cycles():
         for cid in _commit_names(store.ls("commits")):
-            commit = known.get(cid)
-            if commit is None:
-                commit = read_commit(store, cid)
-                if each is not None:
-                    each(commit)
-            out.append(commit)
+            out.append(known.get(cid) or read_commit(store, cid))
     out.sort(key=operator.attrgetter("attempt", "step"))
     if cache is not None:
         cache[key] = tuple(out)

@@ -7,9 +7,7 @@ problem the check is named after.
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,14 +19,7 @@ import pyarrow.compute as pc
 from ledger import manifest
 from ledger.audit.mixture import check_mixture
 from ledger.audit.names import ALL_CHECKS, CHECKS
-from ledger.audit.scan import (
-    Progress,
-    ScanResult,
-    SegmentsAhead,
-    scan_columns,
-    scan_segments,
-    segment_jobs,
-)
+from ledger.audit.scan import Progress, ScanResult, scan_segments, segment_jobs
 from ledger.audit.summary import (
     Summary,
     finished_epochs,
@@ -46,7 +37,7 @@ from ledger.commits import (
     read_commit,
     read_run,
 )
-from ledger.compaction import catalogued, piece_table
+from ledger.compaction import catalogued
 from ledger.errors import LogCorrupted
 from ledger.history import read_history
 from ledger.segments import orphans
@@ -381,96 +372,78 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
         CommitNotFound: if ``root`` holds no run.
     """
     store = Store(root)
+    results: list[CheckResult] = []
     try:
         config = read_run(store)["config"]
+        commits = list_commits(store, catalog=False)  # the markers themselves
+        differ = _differ_from_catalog(store, commits)
     except LogCorrupted as e:
         return Verification((CheckResult("markers", False, str(e)),), 0, 0, 0)
-    key = "position" if "mixture" in config else "sample_id"  # see summary.counts
-    packed = bool(config.get("packer"))
-    try:  # segments a compaction holds are read from its files by the scan
-        compacted = frozenset(piece_table(store)["path"].to_pylist())
-    except LogCorrupted:  # the scan names it
-        compacted = frozenset()
-    # Each commit's segments are read on a pool of threads as soon as its marker is read
-    # (Arrow and hashlib work outside the GIL) while this thread reads the next markers;
-    # the manifests are read and hashed on another thread meanwhile.
-    with (
-        SegmentsAhead(store, scan_columns(key, packed, positions=False), skip=compacted) as ahead,
-        ThreadPoolExecutor(1, thread_name_prefix="ledger-verify") as side,
-    ):
-        try:
-            commits = list_commits(store, catalog=False, each=ahead.add)  # the markers
-            ahead.flush()
-            differ = _differ_from_catalog(store, commits)
-        except LogCorrupted as e:
-            return Verification((CheckResult("markers", False, str(e)),), 0, 0, 0)
-        manifests = side.submit(contextvars.copy_context().run, _manifest, store, commits)
-        results = [
-            CheckResult(
-                "markers",
-                False,
-                f"{len(differ)} commit markers differ from the catalog of a compaction "
-                f"({', '.join(differ[:3])})",
-            )
-            if differ
-            else CheckResult("markers", True, f"{len(commits)} commit markers parse"),
-            _chain(commits),
-        ]
-        # One pass over the segments: each is read once, checked against its marker, and
-        # (in the default head's lineage) counted for the duplicates check.
-        chain: set[str] = set()
-        head = default_head(commits)
-        if results[1].ok and head is not None:
-            chain = {c.id for c in lineage(store, head.id, known={c.id: c for c in commits})}
-        by_step = sorted(commits, key=lambda c: (c.step, c.attempt))
-        counted = [c for c in by_step if c.id in chain]
-        other = [c for c in by_step if c.id not in chain]
-        problems: dict[int, str] = {}
-        scanned: ScanResult | None = None
-        jobs = segment_jobs(counted, other)
-        try:
-            scanned = scan_segments(
-                store,
-                jobs,
-                dataset_len=int(config.get("dataset_len") or 0),
-                packed=packed,
-                progress=progress,
-                problems=problems,
-                key=key,
-                positions=False,
-                ahead=ahead,
-            )
-            # In the words and order of the markers (by attempt, then step, then rank).
-            at = {name: jobs[name].to_numpy() for name in ("attempt", "step", "rank")}
-            order = sorted(problems, key=lambda i: (at["attempt"][i], at["step"][i], at["rank"][i]))
-            bad = [problems[i] for i in order]
-        except LogCorrupted as e:  # two markers name one segment
-            bad = [str(e)]
-        segments = jobs.num_rows
-        events = int(pc.sum(jobs["rows"]).as_py() or 0)
-        nbytes = int(pc.sum(jobs["bytes"]).as_py() or 0)
-        results.append(
-            CheckResult("segments", False, f"{len(bad)} bad: " + "; ".join(bad[:3]))
-            if bad
-            else CheckResult(
-                "segments", True, f"{segments} segments match their markers ({events} events)"
-            )
+    results.append(
+        CheckResult(
+            "markers",
+            False,
+            f"{len(differ)} commit markers differ from the catalog of a compaction "
+            f"({', '.join(differ[:3])})",
         )
-        if results[1].ok and not bad and scanned is not None:
-            results.append(_duplicates(scanned))
-        else:
-            results.append(CheckResult("duplicates", False, "not checked: the log is damaged"))
-        orphaned = _orphans(store, jobs)
-        results.append(
-            CheckResult(
-                "orphans",
-                True,
-                f"{len(orphaned)} orphan segments, ignored by replay ({orphaned[0]} ...)"
-                if orphaned
-                else "no orphan segments",
-            )
+        if differ
+        else CheckResult("markers", True, f"{len(commits)} commit markers parse")
+    )
+    results.append(_chain(commits))
+    # One pass over the segments: each is read once, checked against its marker, and
+    # (in the default head's lineage) counted for the duplicates check.
+    chain: set[str] = set()
+    head = default_head(commits)
+    if results[1].ok and head is not None:
+        chain = {c.id for c in lineage(store, head.id, known={c.id: c for c in commits})}
+    by_step = sorted(commits, key=lambda c: (c.step, c.attempt))
+    counted = [c for c in by_step if c.id in chain]
+    other = [c for c in by_step if c.id not in chain]
+    problems: dict[int, str] = {}
+    scanned: ScanResult | None = None
+    jobs = segment_jobs(counted, other)
+    try:
+        scanned = scan_segments(
+            store,
+            jobs,
+            dataset_len=int(config.get("dataset_len") or 0),
+            packed=bool(config.get("packer")),
+            progress=progress,
+            problems=problems,
+            key="position" if "mixture" in config else "sample_id",  # see summary.counts
+            positions=False,
         )
-        results.append(manifests.result())
+        # In the words and order of the markers (by attempt, then step, then rank).
+        key = {name: jobs[name].to_numpy() for name in ("attempt", "step", "rank")}
+        order = sorted(problems, key=lambda i: (key["attempt"][i], key["step"][i], key["rank"][i]))
+        bad = [problems[i] for i in order]
+    except LogCorrupted as e:  # two markers name one segment
+        bad = [str(e)]
+    segments = jobs.num_rows
+    events = int(pc.sum(jobs["rows"]).as_py() or 0)
+    nbytes = int(pc.sum(jobs["bytes"]).as_py() or 0)
+    results.append(
+        CheckResult("segments", False, f"{len(bad)} bad: " + "; ".join(bad[:3]))
+        if bad
+        else CheckResult(
+            "segments", True, f"{segments} segments match their markers ({events} events)"
+        )
+    )
+    if results[1].ok and not bad and scanned is not None:
+        results.append(_duplicates(scanned))
+    else:
+        results.append(CheckResult("duplicates", False, "not checked: the log is damaged"))
+    orphaned = _orphans(store, jobs)
+    results.append(
+        CheckResult(
+            "orphans",
+            True,
+            f"{len(orphaned)} orphan segments, ignored by replay ({orphaned[0]} ...)"
+            if orphaned
+            else "no orphan segments",
+        )
+    )
+    results.append(_manifest(store, commits))
     return Verification(tuple(results), segments, events, nbytes)
 
 

@@ -218,7 +218,6 @@ def scan_segments(
     problems: dict[int, str] | None = None,
     key: str = "sample_id",
     positions: bool = True,
-    ahead: SegmentsAhead | None = None,
 ) -> ScanResult:
     """Count the segments ``jobs`` (:data:`JOBS_SCHEMA`) per epoch where ``counted``, and
     every segment's events.
@@ -247,9 +246,6 @@ def scan_segments(
         positions: ``False``: the ``position`` column is not read (unless it is ``key``)
             and :attr:`ScanResult.last_positions` stays empty (``ledger verify``, which
             does not need them, decodes one column less per segment).
-        ahead: with ``problems``, segments already checked and decoded while the markers
-            were read (:class:`SegmentsAhead`, for the same columns): their results are
-            taken instead of reading the files again.
 
     Returns:
         Per epoch of the counted commits, and per segment of all (in the order given).
@@ -263,12 +259,12 @@ def scan_segments(
         raise LogCorrupted("two markers name the same segment: the commit chain is damaged")
     plan = _Plan(store, jobs)
     counter = _Counter(store, plan, dataset_len, keep_going=problems is not None, key=key)
-    columns = scan_columns(key, packed, positions)
-    if ahead is not None and (ahead.columns != columns or problems is None):
-        ahead = None  # read for other columns, or checked in other words: read again
+    columns = ["epoch", "kind", "sample_id"]
+    columns += ["position"] if positions or key == "position" else []
+    columns += ["token_start"] if packed else []
     buffered: list[_Unit] = []
     rows = done = 0
-    for unit in _read_units(store, plan, columns, threads, problems, ahead):
+    for unit in _read_units(store, plan, columns, threads, problems):
         if buffered and (
             plan.counted[unit.lo] != plan.counted[buffered[0].lo] or rows >= _CHUNK_ROWS
         ):
@@ -285,15 +281,6 @@ def scan_segments(
 
 _CHUNK_ROWS = 1 << 20
 """Rows counted at once: enough to make the per-chunk work negligible per segment."""
-
-
-def scan_columns(key: str = "sample_id", packed: bool = False, positions: bool = True) -> list[str]:
-    """The event columns :func:`scan_segments` decodes for its options ``key``,
-    ``packed`` and ``positions``."""
-    columns = ["epoch", "kind", "sample_id"]
-    columns += ["position"] if positions or key == "position" else []
-    columns += ["token_start"] if packed else []
-    return columns
 
 
 class _Plan:
@@ -521,11 +508,9 @@ def _read_units(
     columns: list[str],
     threads: int | None,
     problems: dict[int, str] | None,
-    ahead: SegmentsAhead | None = None,
 ) -> Iterator[_Unit]:
     """The ``columns`` of the jobs' segments, in order, each checked against its marker
-    before it is decoded (or taken from ``ahead``, checked already); consecutive pieces of
-    one compacted file come as one unit.
+    before it is decoded; consecutive pieces of one compacted file come as one unit.
 
     A pool of threads reads, hashes (``hashlib`` releases the GIL) and decodes (so does
     Arrow) up to ``threads`` units ahead of the caller. With ``problems``, a unit that
@@ -538,7 +523,7 @@ def _read_units(
         rows = int(plan.rows[lo:hi].sum())
         try:
             if not plan.placed[lo]:
-                table = _segment_tables(store, plan.refs(lo, hi), columns, want, problems, ahead)
+                table = _segment_tables(store, plan.refs(lo, hi), columns, want, problems)
             else:
                 table = compacted.read_run(plan, lo, hi, columns)
             if table.num_rows != rows:  # each check above makes this unreachable
@@ -564,14 +549,14 @@ def _read_units(
             problems.update(dict.fromkeys(range(lo, hi), error))
             return _Unit(lo, hi, None)
 
-    depth = max(1, threads or 4)
+    ahead = max(1, threads or 4)
     bounds = plan.units.tolist()
-    with ThreadPoolExecutor(depth, thread_name_prefix="ledger-scan") as pool:
+    with ThreadPoolExecutor(ahead, thread_name_prefix="ledger-scan") as pool:
         pending: deque[Future[_Unit]] = deque()
         try:
             for lo, hi in itertools.pairwise(bounds):
                 pending.append(pool.submit(load, lo, hi))
-                if len(pending) > depth:
+                if len(pending) > ahead:
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
@@ -596,14 +581,12 @@ def _segment_tables(
     columns: list[str],
     want: pa.Schema,
     problems: dict[int, str] | None,
-    ahead: SegmentsAhead | None = None,
 ) -> pa.Table:
     """The ``columns`` of consecutive segments (files of their own; ``(commit id,
     attempt, segment)`` each), each checked against its marker, as one table. Without
     ``problems`` the first failed check raises :class:`LogCorrupted`
-    (:func:`open_segment`'s words); with it, every segment of the unit is checked (or its
-    check taken from ``ahead``) and :class:`_Problems` names each one that fails, in
-    :func:`check_segment`'s words."""
+    (:func:`open_segment`'s words); with it, every segment of the unit is checked and
+    :class:`_Problems` names each one that fails, in :func:`check_segment`'s words."""
     tables = []
     found: dict[int, str] = {}
     for k, (cid, attempt, ref) in enumerate(jobs):
@@ -611,9 +594,7 @@ def _segment_tables(
             pf = open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256, size=ref.bytes)
             table = pf.read(columns=columns, use_threads=False)
         else:
-            checked = ahead.take(cid, ref.path) if ahead is not None else None
-            if checked is None:
-                checked = check_segment(store, cid, attempt, ref, columns)
+            checked = check_segment(store, cid, attempt, ref, columns)
             if isinstance(checked, str):
                 found[k] = checked
                 continue
@@ -691,92 +672,6 @@ def _segment_content(
             if st is not None and st.has_min_max and not st.min == st.max == want:
                 return f"{where} holds {col} {st.min}..{st.max}, its path says {want}"
     return None
-
-
-_AHEAD_ROWS = 1 << 22
-"""Rows :class:`SegmentsAhead` holds decoded at most (~50 MB of verify's columns)."""
-
-
-class SegmentsAhead:
-    """Segments checked and decoded while ``ledger verify`` is still reading the markers
-    that name them: :meth:`add` hands each commit's segments to a pool of threads, which
-    run :func:`check_segment` on them, 64 to a task, as :func:`scan_segments` would
-    later; the scan then takes each result (:meth:`take`) instead of reading the file.
-
-    Reading markers is Python work (JSON, checks, objects); reading a segment is mostly
-    Arrow's and hashlib's, outside the GIL: the two overlap on two cores. At most
-    ``max_rows`` rows are read ahead (segments past them are read by the scan as before),
-    so memory stays bounded however long the history. Use it as a context manager: on
-    exit, what was not taken is dropped and unstarted reads are cancelled.
-
-    Args:
-        store: the log root.
-        columns: the event columns to decode (:func:`scan_columns` of the scan's options).
-        threads: segments read at once (default 4).
-        max_rows: rows held decoded at most (default :data:`_AHEAD_ROWS`).
-        skip: segment paths not to read (those a compaction holds: the scan reads their
-            rows from the compacted files).
-    """
-
-    def __init__(
-        self,
-        store: Store,
-        columns: list[str],
-        threads: int | None = None,
-        max_rows: int | None = None,
-        skip: frozenset[str] = frozenset(),
-    ) -> None:
-        self.store = store
-        self.columns = columns
-        self.max_rows = _AHEAD_ROWS if max_rows is None else max_rows
-        self.skip = skip
-        self.rows = 0
-        self._pool = ThreadPoolExecutor(max(1, threads or 4), thread_name_prefix="ledger-ahead")
-        self._batch: list[tuple[str, int, SegmentRef]] = []
-        self._found: dict[tuple[str, str], tuple[Future[list[pa.Table | str]], int]] = {}
-        self._full = False
-
-    def __enter__(self) -> SegmentsAhead:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._found.clear()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def add(self, commit: Commit) -> None:
-        """Start reading the segments ``commit``'s marker names (as many as fit)."""
-        for ref in commit.segments:
-            if ref.path in self.skip:
-                continue
-            rows = max(ref.rows, 0)  # a segment decodes only if it has its marker's rows
-            if self._full or self.rows + rows > self.max_rows:
-                self._full = True
-                break
-            self.rows += rows
-            self._batch.append((commit.id, commit.attempt, ref))
-            if len(self._batch) == _PER_UNIT:
-                self.flush()
-
-    def flush(self) -> None:
-        """Start reading the segments added since the last task."""
-        if not self._batch:
-            return
-        batch, self._batch = self._batch, []
-        future = self._pool.submit(self._check, batch)
-        for k, (cid, _, ref) in enumerate(batch):
-            self._found[(cid, ref.path)] = (future, k)
-
-    def _check(self, batch: list[tuple[str, int, SegmentRef]]) -> list[pa.Table | str]:
-        return [check_segment(self.store, c, a, ref, self.columns) for c, a, ref in batch]
-
-    def take(self, commit: str, path: str) -> pa.Table | str | None:
-        """:func:`check_segment`'s result for the segment ``path`` of ``commit``, once
-        (``None``: not read ahead). Raises what the check raised (a storage error)."""
-        entry = self._found.pop((commit, path), None)
-        if entry is None:
-            return None
-        future, k = entry
-        return future.result()[k]
 
 
 def read_verified(
