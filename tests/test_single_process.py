@@ -92,3 +92,40 @@ def test_pin_memory_without_an_accelerator_warns_as_torch_does(root, tmp_path):
 def test_pin_memory_pins_every_tensor(root):
     batch = next(iter(take(_loader(root, pin_memory=True), 1)))
     assert batch["x"].is_pinned() and batch["meta"][1].is_pinned()
+
+
+def _stream_loaders(tmp_path) -> dict[str, ledger.DataLoader]:
+    """A packed stream and a map-style source beside it in a mixture, at 0 workers."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import MapTokens, packed_stream
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for s in range(2):
+        text = [f"row {s} {i} " + "x" * (i % 7) for i in range(12)]
+        pq.write_table(pa.table({"text": text}), shards / f"s{s}.parquet", row_group_size=4)
+    stream = packed_stream(str(shards), shuffle_buffer=4)
+    mix = ledger.Mixture(
+        {"map": MapTokens(9), "text": packed_stream(str(shards), shuffle_buffer=4)},
+        weights={"map": 0.5, "text": 0.5},
+    )
+    return {
+        name: ledger.DataLoader(source, batch_size=2, seed=1, log=str(tmp_path / name))
+        for name, source in (("stream", stream), ("mixture", mix))
+    }
+
+
+def test_streams_at_zero_workers_skip_the_annotation_unless_profiled(tmp_path, monkeypatch):
+    loaders = _stream_loaders(tmp_path)
+    for loader in loaders.values():  # a profiler sees each batch and the call ending it
+        with autograd_profiler.profile(use_kineto=False) as prof:
+            served = len(list(loader))
+        assert {e.key: e.count for e in prof.key_averages()}.get(NAME) == served + 1
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("record_function entered with no profiler running")
+
+    monkeypatch.setattr(autograd_profiler, "record_function", refuse)
+    for loader in loaders.values():
+        assert len(list(loader)) > 0

@@ -99,7 +99,7 @@ import torch.utils.data as tud
 from ledger import segments
 from ledger.commits import Commit, PipelineState, WorkerState, newest_segments, read_commit
 from ledger.errors import ConfigMismatch, LedgerError, LogCorrupted
-from ledger.pipeline import LoaderSettings, phase_record, refuse_phase
+from ledger.pipeline import LoaderSettings, in_process, phase_record, refuse_phase
 from ledger.schema import BUFFER, ERROR, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
 from ledger.stream.lanes import EMPTY, Lanes, Positions, cut, source_pieces, source_seed
@@ -508,6 +508,8 @@ class MixedStreamPipeline:
         self._lane_states = [[lane.state() for lane in r.lanes] for r in self.replicas]
         self.torch_dataset.start = state
         self.torch_dataset.plans = plans
+        if self.torch_loader.num_workers == 0:  # torch's iterator, without its per-batch wrapper
+            return in_process(self.torch_loader)
         return self.torch_loader
 
     def current_buffers(self) -> dict[tuple[int, int], list[int]]:

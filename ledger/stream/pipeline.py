@@ -23,7 +23,7 @@ import torch.utils.data as tud
 from ledger.commits import Commit, PipelineState, WorkerState, read_commit
 from ledger.errors import LedgerError
 from ledger.order import BatchPlan
-from ledger.pipeline import LoaderSettings, phase_record
+from ledger.pipeline import LoaderSettings, in_process, phase_record
 from ledger.replay import read_buffers, replay_stream
 from ledger.schema import BUFFER, ERROR, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
@@ -221,6 +221,8 @@ class StreamPipeline:
         self.torch_dataset.start = state
         self.torch_dataset.buffers = self.buffers
         self.torch_dataset.epoch_plan = plan
+        if self.torch_loader.num_workers == 0:  # torch's iterator, without its per-batch wrapper
+            return in_process(self.torch_loader)
         return self.torch_loader
 
     def record(
