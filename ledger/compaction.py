@@ -608,9 +608,25 @@ def read_piece(
     store: Store, piece: Piece, rel: str, rows: int | None, checksum: str | None
 ) -> pq.ParquetFile:
     """The rows of a compacted segment as a Parquet file of its own (in memory), with the
-    event columns only: what :func:`ledger.segments.open_segment` returns for it. Inside
+    event columns only: what :func:`ledger.segments.open_segment` returns for it
+    (:func:`piece_events`, encoded).
+
+    Raises:
+        LogCorrupted: if the compacted file is missing or holds other rows.
+    """
+    events = piece_events(store, piece, rel, rows, checksum)
+    return pq.ParquetFile(pa.BufferReader(segments.encode(events)))
+
+
+def piece_events(
+    store: Store, piece: Piece, rel: str, rows: int | None, checksum: str | None
+) -> pa.Table:
+    """The rows of a compacted segment with exactly the columns of :data:`EVENT_SCHEMA`,
+    checked against its marker's row count and SHA-256. Inside
     :func:`ledger.commits.parse_once` (one command, one thread) the compacted file is
-    read once for all its pieces.
+    read once for all its pieces, and the row groups last decoded (with the event
+    columns' types) are kept, so a command that reads the pieces of a file in a row
+    decodes and casts each group once.
 
     Raises:
         LogCorrupted: if the compacted file is missing or holds other rows.
@@ -633,14 +649,13 @@ def read_piece(
             cache[key] = whole
     meta = whole.metadata
     start = sum(meta.row_group(g).num_rows for g in range(piece.first_group))
-    # Pieces share row groups (64K rows, a segment is ~10^2): the groups last decoded are
-    # kept, so a command that reads the pieces of a file in a row decodes each group once.
+    # Pieces share row groups (64K rows, a segment is ~10^2).
     groups_key = ("compacted groups", store.uri, piece.path)
     held = cache.get(groups_key) if cache is not None else None
     if held is not None and held[0] == piece.row_groups:
         read = held[1]
     else:
-        read = whole.read_row_groups(piece.row_groups)
+        read = _unify(whole.read_row_groups(piece.row_groups))
         if cache is not None:
             cache[groups_key] = (piece.row_groups, read)
     table = piece.rows_of(read, start)
@@ -654,8 +669,7 @@ def read_piece(
             f"segment {rel} was compacted with SHA-256 {piece.sha256}, its marker says "
             f"{checksum}: the marker or the compaction was altered"
         )
-    events = _unify(table)
-    return pq.ParquetFile(pa.BufferReader(segments.encode(events)))
+    return table
 
 
 def _unify(table: pa.Table) -> pa.Table:

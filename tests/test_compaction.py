@@ -277,7 +277,7 @@ def test_compaction_on_s3(s3, tmp_path):
     assert all(not store.exists(p) for p in pieces(store))
 
 
-def test_pieces_share_row_groups_and_markers_come_from_the_catalog(tmp_path, pristine):
+def test_pieces_share_row_groups_and_markers_come_from_the_catalog(tmp_path, pristine, monkeypatch):
     root, before = copy_of(pristine, tmp_path)
     result = compact(root)
     assert (result.segments, result.files) == (4, 1)
@@ -312,6 +312,17 @@ def test_pieces_share_row_groups_and_markers_come_from_the_catalog(tmp_path, pri
         s.path for c in list_commits(store) for s in c.segments
     ]
     assert answers(root) == before
+    # show reads a compacted segment's rows as a table: no piece is encoded again as a
+    # Parquet file of its own (what open_segment makes for other readers).
+    from ledger import segments
+    from ledger.audit.queries import show
+
+    def refuse(*args: object) -> bytes:
+        raise AssertionError("a compacted piece was encoded again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(segments, "encode", refuse)
+        assert show(root, 10).batch == 10
     # They come from the catalog: a catalogued commit's own rank table is not read.
     os.remove(os.path.join(root, "commits", "000000000002-0000.ranks"))
     with parse_once():

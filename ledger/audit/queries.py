@@ -319,15 +319,17 @@ def show(root: str, batch: int, rank: int = 0, head: str | None = None) -> Batch
         for ref in commit.segments:
             if ref.rank != rank or ref.rows == 0:
                 continue
-            pf = segments.open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256)
-            col = EVENT_SCHEMA.get_field_index("batch")
-            stats = [
-                pf.metadata.row_group(i).column(col).statistics for i in range(pf.num_row_groups)
-            ]
-            if not any(s is None or s.min <= batch <= s.max for s in stats):
-                continue
-            table = pf.read()
-            table = table.filter(pc.equal(table["batch"], batch))
+            found = segments.open_events(store, ref.path, rows=ref.rows, checksum=ref.sha256)
+            if isinstance(found, pq.ParquetFile):
+                col = EVENT_SCHEMA.get_field_index("batch")
+                stats = [
+                    found.metadata.row_group(i).column(col).statistics
+                    for i in range(found.num_row_groups)
+                ]
+                if not any(s is None or s.min <= batch <= s.max for s in stats):
+                    continue
+                found = found.read()
+            table = found.filter(pc.equal(found["batch"], batch))
             kinds = table["kind"].cast(pa.string())
             events = table.filter(pc.is_in(kinds, pa.array(CONSUMED_KINDS)))
             errors = table.filter(pc.equal(kinds, ERROR)).sort_by("position")
