@@ -604,20 +604,6 @@ def piece_table(store: Store) -> pa.Table:
     return out
 
 
-def read_piece(
-    store: Store, piece: Piece, rel: str, rows: int | None, checksum: str | None
-) -> pq.ParquetFile:
-    """The rows of a compacted segment as a Parquet file of its own (in memory), with the
-    event columns only: what :func:`ledger.segments.open_segment` returns for it
-    (:func:`piece_events`, encoded).
-
-    Raises:
-        LogCorrupted: if the compacted file is missing or holds other rows.
-    """
-    events = piece_events(store, piece, rel, rows, checksum)
-    return pq.ParquetFile(pa.BufferReader(segments.encode(events)))
-
-
 def piece_events(
     store: Store, piece: Piece, rel: str, rows: int | None, checksum: str | None
 ) -> pa.Table:

@@ -175,7 +175,7 @@ def open_segment(
         size: expected size in bytes, or ``None``.
 
     A segment retired by a compaction is read from the compacted file that holds it
-    (:func:`ledger.compaction.read_piece`).
+    (:func:`open_events`), and its rows encoded as a Parquet file of their own.
 
     Returns:
         The Parquet file, read from memory (row groups can be read one by one).
@@ -183,13 +183,10 @@ def open_segment(
     Raises:
         LogCorrupted: if the file is missing, unreadable, or differs from the marker.
     """
-    data = _read(store, rel, rows, checksum)
-    if isinstance(data, pq.ParquetFile):
-        return data
-    _check_size(store, rel, data, size)
-    if checksum is not None:
-        _check_checksum(store, rel, sha256(data), checksum)
-    return _parse(store, rel, data, rows)
+    found = open_events(store, rel, rows=rows, checksum=checksum, size=size)
+    if isinstance(found, pa.Table):  # a compacted segment's rows, as a file of their own
+        return pq.ParquetFile(pa.BufferReader(encode(found)))
+    return found
 
 
 class CheckedLater:
@@ -215,7 +212,7 @@ class CheckedLater:
         self.rel = rel
         self.rows = rows
         self.checksum = checksum
-        self._data: Future[bytes | pq.ParquetFile] = Future()
+        self._data: Future[bytes | pa.Table] = Future()
         self._hash = _hasher().submit(self._read_and_hash)
 
     def _read_and_hash(self) -> str | None:
@@ -225,7 +222,7 @@ class CheckedLater:
             self._data.set_exception(e)
             return None
         self._data.set_result(data)
-        if isinstance(data, pq.ParquetFile) or self.checksum is None:
+        if isinstance(data, pa.Table) or self.checksum is None:
             return None  # a compacted piece was checked as it was read
         return sha256(data)
 
@@ -237,8 +234,8 @@ class CheckedLater:
                 an altered file is named as such rather than as unreadable).
         """
         data = self._data.result()
-        if isinstance(data, pq.ParquetFile):
-            return data
+        if isinstance(data, pa.Table):  # a compacted segment's rows, checked as read
+            return pq.ParquetFile(pa.BufferReader(encode(data)))
         try:
             return _parse(self.store, self.rel, data, self.rows, _CODES)
         except LogCorrupted:
@@ -260,7 +257,12 @@ _HASHER: tuple[int, ThreadPoolExecutor] | None = None
 
 
 def open_events(
-    store: Store, rel: str, *, rows: int | None = None, checksum: str | None = None
+    store: Store,
+    rel: str,
+    *,
+    rows: int | None = None,
+    checksum: str | None = None,
+    size: int | None = None,
 ) -> pq.ParquetFile | pa.Table:
     """A segment's events, checked as :func:`open_segment` checks them, without making a
     Parquet file of a compacted one: the segment's file, or for a segment retired by a
@@ -272,9 +274,10 @@ def open_events(
     Raises:
         LogCorrupted: if the segment is missing, unreadable, or differs from the marker.
     """
-    data = _read(store, rel, rows, checksum, tables=True)
-    if isinstance(data, (pq.ParquetFile, pa.Table)):
+    data = _read(store, rel, rows, checksum)
+    if isinstance(data, pa.Table):
         return data
+    _check_size(store, rel, data, size)
     if checksum is not None:
         _check_checksum(store, rel, sha256(data), checksum)
     return _parse(store, rel, data, rows)
@@ -289,22 +292,17 @@ def _hasher() -> ThreadPoolExecutor:
     return _HASHER[1]
 
 
-def _read(
-    store: Store, rel: str, rows: int | None, checksum: str | None, tables: bool = False
-) -> bytes | pq.ParquetFile | pa.Table:
-    """The segment's bytes, or (retired by a compaction) the checked piece holding it: as
-    a Parquet file, or with ``tables`` as a table."""
+def _read(store: Store, rel: str, rows: int | None, checksum: str | None) -> bytes | pa.Table:
+    """The segment's bytes, or (retired by a compaction) its checked rows
+    (:func:`ledger.compaction.piece_events`)."""
     try:
         return store.read_bytes(rel)
     except FileNotFoundError as e:
-        # compaction imports this module
-        from ledger.compaction import piece_events, pieces, read_piece
+        from ledger.compaction import piece_events, pieces  # compaction imports this module
 
         piece = pieces(store).get(rel)
         if piece is not None:
-            if tables:
-                return piece_events(store, piece, rel, rows, checksum)
-            return read_piece(store, piece, rel, rows, checksum)
+            return piece_events(store, piece, rel, rows, checksum)
         raise LogCorrupted(f"segment {store.full(rel)} named by a commit marker is missing") from e
 
 
