@@ -418,6 +418,46 @@ def test_a_changed_stream_row_is_caught_where_it_is_read_again(tmp_path, workers
     assert expected and all(t.startswith("row ") for b in expected for t in b)
 
 
+def test_row_group_digests_are_xxh3_and_a_run_s_older_sha256_ones_are_still_checked(tmp_path):
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import xxhash
+
+    from ledger.errors import ConfigMismatch
+    from ledger.store import Store
+    from ledger.stream import ShardedSource
+
+    path = tmp_path / "s.parquet"
+    pq.write_table(pa.table({"id": list(range(8))}), path, row_group_size=4)
+
+    def ipc(g):
+        sink = pa.BufferOutputStream()
+        table = pq.ParquetFile(path).read_row_group(g)
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        return sink.getvalue()
+
+    source = ShardedSource(str(path))
+    source.record_digests(Store(str(tmp_path / "new")))
+    assert [r["id"] for r in source.read([1, 5])] == [1, 5]
+    folder = tmp_path / "new" / "data" / "rowgroups" / "shard=0"
+    assert sorted(os.listdir(folder)) == ["0.xxh3-128", "1.xxh3-128"]
+    assert (folder / "1.xxh3-128").read_text() == xxhash.xxh3_128(ipc(1)).hexdigest()
+    # A run begun before recorded SHA-256 digests: they are checked as they are.
+    old = tmp_path / "old" / "data" / "rowgroups" / "shard=0"
+    old.mkdir(parents=True)
+    (old / "0.sha256").write_text(hashlib.sha256(ipc(0)).hexdigest())
+    (old / "1.sha256").write_text(hashlib.sha256(ipc(0)).hexdigest())  # not group 1's rows
+    source = ShardedSource(str(path))
+    source.record_digests(Store(str(tmp_path / "old")))
+    assert source.read([2])[0]["id"] == 2
+    with pytest.raises(ConfigMismatch, match=r"s\.parquet row group 1"):
+        source.read([5])
+    assert sorted(os.listdir(old)) == ["0.sha256", "1.sha256"]
+
+
 def test_verify_names_each_damaged_segment_among_many(tmp_path):
     """70 segments (more than one task of 64, each read and checked as one table):
     ``verify`` names each fault in its own words, in the markers' order: altered bytes,

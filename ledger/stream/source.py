@@ -9,18 +9,36 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import xxhash
 
-from ledger.errors import CommitConflict, ConfigMismatch, LedgerError
+from ledger.errors import CommitConflict, ConfigMismatch
 from ledger.store import Files, Store
 
 _JSONL_BLOCK = 1024  # lines read per request when streaming a JSONL shard
+
+ROW_GROUP_HASH = "xxh3-128"
+"""Hash of a row group's digest (:meth:`ShardedSource.record_digests`), also the suffix
+of its file: XXH3 (128 bits, the ``xxhash`` library), ~15x cheaper than SHA-256 on the
+decoded rows (~25 µs against ~350 µs for a row group of 0.5 MB) and as sure to change
+with any changed byte of them. The digest guards against data that changed by mistake,
+not against a forger (who could rewrite the footer fingerprint as well). Runs begun
+before it recorded ``sha256`` digests; those are still checked with SHA-256."""
+
+_ROW_GROUP_HASHES: dict[str, Callable[[Any], Any]] = {
+    ROW_GROUP_HASH: xxhash.xxh3_128,
+    "sha256": hashlib.sha256,
+}
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode(errors="replace").strip()
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +103,7 @@ class ShardedSource:
         self._cache: tuple[int, int, list[dict[str, Any]]] | None = None
         self._digests: Store | None = None  # see record_digests
         self._digests_under = "data/rowgroups"
-        self._known: dict[tuple[int, int], str] = {}
+        self._known: dict[tuple[int, int], tuple[str, str]] = {}  # (algorithm, digest)
 
     # -------------------------------------------------------------- metadata
 
@@ -220,10 +238,11 @@ class ShardedSource:
         return self._jsonl_rows(shard, row, row + 1)[0]
 
     def record_digests(self, store: Store | None, under: str = "data/rowgroups") -> None:
-        """Record each Parquet row group's digest in ``store`` the first time it is read,
-        and check it on every later read (a resume re-reading buffered rows, a later
-        epoch): a same-size edit inside a data page, which the footer fingerprint of
-        :meth:`check` cannot see, then raises :class:`ConfigMismatch` naming the shard and
+        """Record each Parquet row group's digest (:data:`ROW_GROUP_HASH` of its decoded
+        rows' Arrow IPC stream) in ``store`` the first time it is read, and check it on
+        every later read (a resume re-reading buffered rows, a later epoch): a same-size
+        edit inside a data page, which the footer fingerprint of :meth:`check` cannot
+        see, then raises :class:`ConfigMismatch` naming the shard and
         row group. JSONL shards are hashed whole by the fingerprint already.
 
         Args:
@@ -246,22 +265,14 @@ class ShardedSource:
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
-        found = hashlib.sha256(sink.getvalue()).hexdigest()
+        ipc = sink.getvalue()
         key = (shard, g)
-        recorded = self._known.get(key)
-        if recorded is None:
-            rel = f"{self._digests_under}/shard={shard}/{g}.sha256"
-            try:
-                recorded = store.read_bytes(rel).decode(errors="replace").strip()
-            except FileNotFoundError:
-                try:
-                    store.create_exclusive(rel, found.encode(), durable=False)
-                    recorded = found
-                except CommitConflict:  # another worker or rank recorded it first
-                    recorded = store.read_bytes(rel).decode(errors="replace").strip()
-            except LedgerError:
-                raise
-            self._known[key] = recorded
+        known = self._known.get(key)
+        if known is None:
+            known = self._recorded(store, shard, g, ipc)
+            self._known[key] = known
+        algorithm, recorded = known
+        found = _ROW_GROUP_HASHES[algorithm](ipc).hexdigest()
         if recorded != found:
             path = self._files.paths[shard]
             raise ConfigMismatch(
@@ -272,6 +283,22 @@ class ShardedSource:
                 "first read it: the data changed under the same footer. Restore the original "
                 "file, or start a new run under a new log root.",
             )
+
+    def _recorded(self, store: Store, shard: int, g: int, ipc: pa.Buffer) -> tuple[str, str]:
+        """``(algorithm, hex digest)`` the run recorded for a row group; records it (with
+        :data:`ROW_GROUP_HASH`) if this is the run's first read of it."""
+        base = f"{self._digests_under}/shard={shard}/{g}"
+        for algorithm in _ROW_GROUP_HASHES:  # the current one, then the older one
+            try:
+                return algorithm, _text(store.read_bytes(f"{base}.{algorithm}"))
+            except FileNotFoundError:
+                continue
+        found = _ROW_GROUP_HASHES[ROW_GROUP_HASH](ipc).hexdigest()
+        try:
+            store.create_exclusive(f"{base}.{ROW_GROUP_HASH}", found.encode(), durable=False)
+            return ROW_GROUP_HASH, found
+        except CommitConflict:  # another worker or rank recorded it first
+            return ROW_GROUP_HASH, _text(store.read_bytes(f"{base}.{ROW_GROUP_HASH}"))
 
     def _jsonl_rows(self, shard: int, lo: int, hi: int) -> list[dict[str, Any]]:
         lines = self._lines[shard]
