@@ -52,13 +52,18 @@ import torch
 
 from ledger.commits import upgrade_config
 from ledger.order import (
+    _NO_GAUSS,
+    LoopStates,
     batch_seed,
     drew_from_globals,
+    loop_states,
     mark_dropped,
     mark_globals,
     restore_globals,
+    restore_torch,
     rngs_preserved,
     sample_seeds,
+    save_torch,
     seed_globals,
 )
 
@@ -255,8 +260,12 @@ def seeded_lazily(block: Callable[[Callable[[], Any] | None], _T], seed: int, ma
         with rngs_preserved(main):
             seed_globals(seed)
             return block(partial(seed_globals, seed))
+    if main:
+        states = loop_states()
+        if states is not None:
+            return _lazily_in_loop(block, seed, states)
     generator = torch.default_generator
-    torch_saved = generator.get_state() if main else None
+    torch_saved = save_torch() if main else None
     marks = mark_globals()
     drew = True
     try:
@@ -278,9 +287,58 @@ def seeded_lazily(block: Callable[[Callable[[], Any] | None], _T], seed: int, ma
         return block(partial(seed_globals, seed))
     finally:
         if torch_saved is not None:
-            generator.set_state(torch_saved)
+            restore_torch(torch_saved)
             if drew or mark_dropped(marks):  # else numpy and random are as they were
                 restore_globals(marks)
+
+
+def _lazily_in_loop(
+    block: Callable[[Callable[[], Any] | None], _T], seed: int, s: LoopStates
+) -> _T:
+    """:func:`seeded_lazily` on the training loop's thread, where the three generators'
+    layouts are known: the same steps, on their state bytes directly (one copy of each
+    before the block, a comparison of numpy's and ``random``'s after, one copy back of
+    torch's and of the cached variates), ~3 µs per batch less than through
+    :func:`ledger.order.mark_globals` and torch's ``get_state``/``set_state``."""
+    global _globals_drawn
+    np_key_bytes, rnd_bytes, owner = s.np_key_bytes, s.rnd_bytes, s.rnd_owner
+    torch_saved, key, rnd_key = s.torch_bytes(), np_key_bytes(), rnd_bytes()
+    # Drop the cached normal variates, so that a normal draw moves a key as any draw does.
+    gauss = None
+    if s.has_gauss[0]:
+        gauss = s.np_gauss.tobytes()
+        s.np_gauss[:] = _NO_GAUSS
+    rnd_gauss = owner.gauss_next
+    owner.gauss_next = None
+    drew = True
+    generator = torch.default_generator
+    try:
+        generator.manual_seed(seed)
+        try:
+            out = block(lambda: generator.manual_seed(seed))
+        except Exception:
+            if np_key_bytes() == key and rnd_bytes() == rnd_key:
+                drew = False
+                raise
+        else:
+            if np_key_bytes() == key and rnd_bytes() == rnd_key:
+                drew = False
+                return out
+        _globals_drawn = True
+        logger.debug("the dataset draws from numpy or random: both are seeded from now on")
+        s.np_key[:] = key
+        s.rnd[:] = rnd_key
+        seed_globals(seed)
+        return block(partial(seed_globals, seed))
+    finally:
+        s.torch[:] = torch_saved
+        if drew:
+            s.np_key[:] = key
+            s.rnd[:] = rnd_key
+            s.np_gauss[:] = _NO_GAUSS  # the seeded block may have cached one
+        if gauss is not None:
+            s.np_gauss[:] = gauss
+        owner.gauss_next = rnd_gauss
 
 
 def _fetch(

@@ -310,3 +310,54 @@ def test_numpy_state_round_trips_its_cached_normal():
     state.restore(saved)
     assert [np.random.normal(), np.random.rand()] == expected
     assert np.random.get_state()[3] == 0  # the cached one was consumed again
+
+
+def test_torch_state_round_trips_its_cached_normal():
+    """Where torch's generator layout is known (it is on the pinned torch), the raw bytes
+    saved include the cached normal variate: a restore gives back the very next draws
+    and the state ``get_state`` reports."""
+    from ledger import order
+
+    saver = order.torch_state()
+    assert saver is not None, "torch's CPUGeneratorImpl layout was not found"
+    generator = torch.default_generator
+    torch.manual_seed(3)
+    torch.randn(1, dtype=torch.float64)  # leaves the pair's second variate cached
+    state = generator.get_state()
+    saved = saver.save()
+    expected = [torch.randn(1, dtype=torch.float64), torch.rand(4)]
+    torch.manual_seed(99)
+    torch.rand(700)  # past a twist of the Mersenne Twister
+    saver.restore(saved)
+    assert torch.equal(generator.get_state(), state)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip([torch.randn(1, dtype=torch.float64), torch.rand(4)], expected, strict=True)
+    )
+
+
+@pytest.mark.parametrize("which", ["none", "numpy-normal", "random-gauss"])
+def test_lazy_seeding_where_no_layout_is_known(tmp_path, monkeypatch, which):
+    """Without the raw layouts (another torch, numpy or interpreter), the loop's thread
+    seeds through get_state/set_state and mark_globals: the same seeded batches, and the
+    training loop's generators, cached variates included, untouched."""
+    import random
+
+    from ledger import fetch, order
+
+    monkeypatch.setattr(fetch, "_globals_drawn", False)
+    monkeypatch.setattr(order, "_find_torch_state", lambda generator: None)
+    monkeypatch.setattr(order, "_torch_state", None)
+    monkeypatch.setattr(order, "_loop_states", None)
+    assert order.loop_states() is None and order.save_torch().numel() == 5056
+    dataset = Draws(16, which)
+    expected = _seeded_reference(dataset, 5, 4, 4, tud.default_collate)
+    loop_next = loop_generators_with_cached_variates()
+    loader = ledger.DataLoader(dataset, batch_size=4, shuffle=True, seed=5, log=str(tmp_path))
+    got = list(loader)
+    assert len(got) == 4
+    for a, b in zip(got, expected, strict=True):
+        assert all(torch.equal(a[key], b[key]) for key in a)
+    assert (np.random.normal(), random.gauss(0, 1), float(torch.rand(()))) == loop_next
+    monkeypatch.undo()
+    order._torch_state = order._loop_states = None  # found again for later tests

@@ -129,3 +129,19 @@ def test_streams_at_zero_workers_skip_the_annotation_unless_profiled(tmp_path, m
     monkeypatch.setattr(autograd_profiler, "record_function", refuse)
     for loader in loaders.values():
         assert len(list(loader)) > 0
+
+
+@pytest.mark.parametrize("draws", [False, True])
+def test_zero_workers_keep_the_loops_torch_generator_and_its_cached_normal(root, draws):
+    """The training loop's torch generator comes back bit for bit after each batch,
+    torch's cached normal variate included, whether the dataset draws from it or not."""
+    loader = _loader(root) if draws else ledger.DataLoader(list(range(12)), batch_size=4, log=root)
+    torch.manual_seed(7)
+    torch.randn(1, dtype=torch.float64)  # a loop that drew a normal: its pair's second is cached
+    state = torch.default_generator.get_state()
+    expected = [torch.randn(1, dtype=torch.float64), torch.rand(3)]
+    torch.default_generator.set_state(state)
+    for _ in loader:
+        assert torch.equal(torch.default_generator.get_state(), state)
+    got = [torch.randn(1, dtype=torch.float64), torch.rand(3)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
