@@ -207,9 +207,15 @@ def test_idfeed_equals_docfeed_from_any_state(case: tuple, chunk: int) -> None:
         shuffle_module._CHUNK = _DEFAULT_CHUNK
 
 
-def _placed(ids: np.ndarray) -> np.ndarray:
-    """A stand-in for an epoch plan's positions: any function of the sample id."""
-    return ids * 5 + 3
+def _placed_in(source: SimpleNamespace) -> Callable[[np.ndarray], np.ndarray]:
+    """A stand-in for an epoch plan's positions: each sample id plus a constant of its
+    shard (what ``IdFeed`` requires of ``locate``), a different one per shard."""
+    shift = np.arange(len(source.offsets) - 1, dtype=np.int64)[::-1] * 7919 + 3
+
+    def placed(ids: np.ndarray) -> np.ndarray:
+        return ids + shift[np.searchsorted(source.offsets, ids, side="right") - 1]
+
+    return placed
 
 
 @settings(max_examples=200, deadline=None)
@@ -228,6 +234,7 @@ def test_replica_positions_and_states_follow_the_worker(
             if worker.next() is None:
                 break
         state = worker.state(0, None, [])
+        _placed = _placed_in(source)
         feed = IdFeed(source, list(pieces), state, list(worker.ids), size, key, _placed)  # type: ignore[arg-type]
         replica = Replica(feed, 0, None, [])
         packer = PackState(None, [])
@@ -259,7 +266,7 @@ def _meta(ids: list[int], spans: list[tuple[int, int, int]] | None) -> BatchMeta
 
 def _replica(size: int = 0, placed: bool = False) -> Replica:
     source = _source([10])
-    locate = _placed if placed else None
+    locate = _placed_in(source) if placed else None
     feed = IdFeed(source, [(0, 0, 10)], WorkerState(0), [], size, 7, locate)  # type: ignore[arg-type]
     return Replica(feed, 0, None, [])
 
@@ -280,7 +287,7 @@ def test_fold_checks_ids_and_packing(placed: bool) -> None:
     assert r.doc == (1, 1, 4)
     if placed:
         assert first is not None and after is not None
-        assert (first.tolist(), after.tolist()) == ([3], [3, 8])
+        assert (first.tolist(), after.tolist()) == ([3], [3, 4])  # id + 3 (one shard)
     assert r.state().emitted == 2
     with pytest.raises(LedgerError, match=r"packed tokens \[2, 4\) of sample 1"):
         r.fold(_meta([1], [(2, 4, 4)]))  # skips token 1
@@ -353,7 +360,7 @@ def test_take_placed_after_slices_the_previous_id_or_declines():
     state = WorkerState(0)
 
     def feed() -> IdFeed:
-        return IdFeed(source, pieces, state, [], 8, 5, lambda ids: ids * 10)
+        return IdFeed(source, pieces, state, [], 8, 5, _placed_in(source))  # type: ignore[arg-type]
 
     ref, got = feed(), feed()
     first = ref.take_placed(3)[0]
@@ -363,5 +370,5 @@ def test_take_placed_after_slices_the_previous_id_or_declines():
     ids, places = got.take_placed_after(4, int(first[-1]))
     want, _ = ref.take_placed(4)
     assert ids.tolist() == [int(first[-1]), *want.tolist()]
-    assert places.tolist() == [i * 10 for i in ids.tolist()]
+    assert places.tolist() == _placed_in(source)(ids).tolist()
     assert got.take(50).tolist() == ref.take(50).tolist()
