@@ -302,7 +302,7 @@ def read_history(store: Store) -> History | None:
     if own is None:
         out = None
     else:
-        whole = _concat([*parts, own])
+        whole = _concat([*parts, own] if len(own) or not parts else parts)  # no copy for none
         order = np.lexsort((whole.step, whole.attempt))
         ordered = bool(np.all(order == np.arange(len(order))))  # as a catalog holds them
         out = whole if ordered else whole.take(order)

@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import duckdb
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ledger.audit.scan import Progress, ScanResult, scan_segments
-from ledger.audit.views import connect, jobs
+from ledger.audit.views import commits_table, connect, jobs
 from ledger.commits import parsing_once, read_run
 from ledger.store import Store
 
@@ -306,18 +308,7 @@ _SEGMENT_COUNTS = pa.schema(
 def _summarize(con: duckdb.DuckDBPyConnection, store: Store, progress: Progress | None) -> Summary:
     run_id, dataset_len = _one(con, "SELECT run_id, dataset_len FROM run")
     scanned = counts(con, store, progress)
-    con.execute(
-        """
-        CREATE TEMP TABLE per_commit AS
-        SELECT c.commit_id, c.attempt, c.in_lineage, c.world_size,
-               coalesce(e.events, 0) AS events, coalesce(e.samples, 0) AS samples
-        FROM commits AS c
-        LEFT JOIN (
-            SELECT commit_id, sum(events) AS events, sum(samples) AS samples
-            FROM segment_counts GROUP BY commit_id
-        ) AS e USING (commit_id)
-        """
-    )
+    con.register("per_commit", _per_commit(commits_table(con), scanned.segments))
     attempts = con.execute(
         f"""
         SELECT coalesce(a.attempt, c.attempt) AS attempt, any_value(a.parent),
@@ -382,6 +373,22 @@ def _summarize(con: duckdb.DuckDBPyConnection, store: Store, progress: Progress 
         bad_samples=_bad_samples(con) if any(c.errors for c in epochs) else (),
         skipped_batches=_skipped(con) if any(c.rolled_back for c in epochs) else (),
     )
+
+
+def _per_commit(commits: pa.Table, segments: pa.Table) -> pa.Table:
+    """Per commit (a row of the ``commits`` view): its ``commit_id``, ``attempt``,
+    ``in_lineage``, ``world_size``, and the ``events`` and ``samples`` of its segments
+    (``segments``: :attr:`ScanResult.segments`), 0 when it named none: numpy over the
+    10^4 commits of a long history, where a join in SQL costs several times as much."""
+    at = pc.index_in(segments["commit_id"], value_set=commits["commit_id"])
+    at = at.fill_null(-1).to_numpy()
+    known = at >= 0  # every segment is named by one of the commits
+    table = commits.select(["commit_id", "attempt", "in_lineage", "world_size"])
+    for name in ("events", "samples"):
+        total = np.zeros(commits.num_rows, np.int64)
+        np.add.at(total, at[known], segments[name].to_numpy()[known])
+        table = table.append_column(name, pa.array(total))
+    return table
 
 
 def _bad_samples(con: duckdb.DuckDBPyConnection) -> tuple[BadSample, ...]:

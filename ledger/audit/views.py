@@ -248,7 +248,7 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     commits_view = tables.commits.append_column("in_lineage", pa.array(in_lineage)).append_column(
         "is_head", pa.array(is_head)
     )
-    _REGISTERED[con] = (tables.segments, in_chain)
+    _REGISTERED[con] = (tables.segments, in_chain, commits_view)
     con.register("commits", commits_view)
     con.register("segments", tables.segments)
     con.register("states", tables.states)
@@ -268,11 +268,21 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     return con
 
 
-_REGISTERED: weakref.WeakKeyDictionary[duckdb.DuckDBPyConnection, tuple[pa.Table, np.ndarray]] = (
-    weakref.WeakKeyDictionary()
-)
-"""The ``segments`` table registered on each open connection, and which of its segments
-are of the head's lineage (``bool``)."""
+_REGISTERED: weakref.WeakKeyDictionary[
+    duckdb.DuckDBPyConnection, tuple[pa.Table, np.ndarray, pa.Table]
+] = weakref.WeakKeyDictionary()
+"""The ``segments`` table registered on each open connection, which of its segments are
+of the head's lineage (``bool``), and the ``commits`` table."""
+
+
+def commits_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    """The ``commits`` view of a connection from :func:`connect`, as the Arrow table it
+    reads (no query, no copy).
+
+    Raises:
+        KeyError: if ``con`` was not opened by :func:`connect`.
+    """
+    return _REGISTERED[con][2]
 
 
 def jobs(con: duckdb.DuckDBPyConnection) -> pa.Table:
@@ -283,7 +293,7 @@ def jobs(con: duckdb.DuckDBPyConnection) -> pa.Table:
     Raises:
         KeyError: if ``con`` was not opened by :func:`connect`.
     """
-    segments, in_chain = _REGISTERED[con]
+    segments, in_chain, _ = _REGISTERED[con]
     table = segments.append_column("counted", pa.array(in_chain))
     # numpy's stable lexsort, as Arrow's sort_by, at a tenth of its cost; most often the
     # segments are in order already (one attempt, no branch).
@@ -346,7 +356,7 @@ def _history_tables(h: History) -> _Tables:
         "rows": _sums(at, segments["rows"].to_numpy(), n),
         "bytes": _sums(at, segments["bytes"].to_numpy(), n),
     }
-    first = rows[starts] if n else np.zeros((0, _RANK_HEAD), np.int64)
+    first = rows[starts, 10:13] if n else np.zeros((0, 3), np.int64)  # rank 0's state
     table = pa.table(
         {
             "commit_id": ids,
@@ -356,16 +366,12 @@ def _history_tables(h: History) -> _Tables:
             "world_size": h.world_size.astype(np.int32),
             "created_at": _timestamps(h.created_at, ids),
             **per,
-            "epoch": first[:, 10].astype(np.int32),
-            "epoch_batch": first[:, 11],
-            "batch": first[:, 12],
+            "epoch": first[:, 0].astype(np.int32),
+            "epoch_batch": first[:, 1],
+            "batch": first[:, 2],
         }
     )
     return _Tables(table.cast(_COMMITS_SCHEMA.remove(13).remove(12)), segments, states)
-
-
-_RANK_HEAD = 26
-"""Leading columns of a rank table row that hold the state and segment (ledger.ranks)."""
 
 
 def _commit_rows(commits: list[Commit]) -> pa.Table:
