@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ledger.audit.scan import Progress, ScanResult, scan_segments
-from ledger.audit.views import commits_table, connect, jobs
+from ledger.audit.views import commits_table, connect, scan_jobs
 from ledger.commits import parsing_once, read_run
 from ledger.store import Store
 
@@ -279,14 +279,16 @@ def counts(
     samples)."""
     run = read_run(store)
     config = run.get("config", {})
+    scan, placed = scan_jobs(con)
     result = scan_segments(
         store,
-        jobs(con),
+        scan,
         dataset_len=int(config.get("dataset_len", 0)),
         packed=bool(config.get("packer")),
         progress=progress,
         # A mixture's sources repeat by design: each position of its epoch is once.
         key="position" if "mixture" in config else "sample_id",
+        placed=placed,
     )
     table = result.segments.select(_SEGMENT_COUNTS.names)
     con.register("segment_counts", table)

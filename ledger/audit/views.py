@@ -248,7 +248,7 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     commits_view = tables.commits.append_column("in_lineage", pa.array(in_lineage)).append_column(
         "is_head", pa.array(is_head)
     )
-    _REGISTERED[con] = (tables.segments, in_chain, commits_view)
+    _REGISTERED[con] = _Registered(tables.segments, in_chain, commits_view, *placed)
     con.register("commits", commits_view)
     con.register("segments", tables.segments)
     con.register("states", tables.states)
@@ -268,11 +268,29 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
     return con
 
 
-_REGISTERED: weakref.WeakKeyDictionary[
-    duckdb.DuckDBPyConnection, tuple[pa.Table, np.ndarray, pa.Table]
-] = weakref.WeakKeyDictionary()
-"""The ``segments`` table registered on each open connection, which of its segments are
-of the head's lineage (``bool``), and the ``commits`` table."""
+@dataclass(frozen=True, slots=True)
+class _Registered:
+    """What :func:`connect` registered on a connection, kept as Arrow and numpy.
+
+    Attributes:
+        segments: the ``segments`` table.
+        in_chain: ``bool``: which of its segments are of the head's lineage.
+        commits: the ``commits`` table.
+        placed: ``int64``: each segment's row in ``pieces`` (-1: a file of its own).
+        pieces: the :func:`ledger.compaction.piece_table` the views read.
+    """
+
+    segments: pa.Table
+    in_chain: np.ndarray
+    commits: pa.Table
+    placed: np.ndarray
+    pieces: pa.Table
+
+
+_REGISTERED: weakref.WeakKeyDictionary[duckdb.DuckDBPyConnection, _Registered] = (
+    weakref.WeakKeyDictionary()
+)
+"""What :func:`connect` registered on each open connection."""
 
 
 def commits_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
@@ -282,7 +300,7 @@ def commits_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
     Raises:
         KeyError: if ``con`` was not opened by :func:`connect`.
     """
-    return _REGISTERED[con][2]
+    return _REGISTERED[con].commits
 
 
 def jobs(con: duckdb.DuckDBPyConnection) -> pa.Table:
@@ -293,15 +311,29 @@ def jobs(con: duckdb.DuckDBPyConnection) -> pa.Table:
     Raises:
         KeyError: if ``con`` was not opened by :func:`connect`.
     """
-    segments, in_chain, _ = _REGISTERED[con]
-    table = segments.append_column("counted", pa.array(in_chain))
+    return scan_jobs(con)[0]
+
+
+def scan_jobs(
+    con: duckdb.DuckDBPyConnection,
+) -> tuple[pa.Table, tuple[np.ndarray, pa.Table]]:
+    """:func:`jobs`, with each job's row in the :func:`ledger.compaction.piece_table` the
+    views read (``int64``, -1: a file of its own) and that table, as :func:`connect` found
+    them: the ``placed`` of :func:`ledger.audit.scan.scan_segments`.
+
+    Raises:
+        KeyError: if ``con`` was not opened by :func:`connect`.
+    """
+    known = _REGISTERED[con]
+    in_chain = known.in_chain
+    table = known.segments.append_column("counted", pa.array(in_chain))
     # numpy's stable lexsort, as Arrow's sort_by, at a tenth of its cost; most often the
     # segments are in order already (one attempt, no branch).
     keys = [table[k].to_numpy() for k in ("rank", "attempt", "step")]
     order = np.lexsort((*keys, ~in_chain))
     if np.array_equal(order, np.arange(len(order))):
-        return table
-    return table.take(pa.array(order, pa.int64()))
+        return table, (known.placed, known.pieces)
+    return table.take(pa.array(order, pa.int64())), (known.placed[order], known.pieces)
 
 
 @dataclass(frozen=True, slots=True)
