@@ -11,8 +11,8 @@ root (:func:`ledger.log.default_journal_dir`): the next attempt of the rank uplo
 ``ROOT/journal/`` if it holds uncommitted batches.
 
 Framing (version 2): every record is a frame ``MAGIC (4 bytes) | length (uint32 LE) |
-CRC-32 of the payload (uint32 LE, zlib's, ISO 3309) | payload``, the payload a msgpack
-array:
+CRC-32 of the payload (uint32 LE, zlib's, ISO 3309; computed with zlib-ng's, which gives
+the same values faster) | payload``, the payload a msgpack array:
 
 * header: ``["ledger-journal", version, attempt, rank, after_commit or None]``
 * event: ``[kind, epoch, batch, worker, first_position, ids_bytes, extras, digest]``;
@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 import struct
 import weakref
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -41,6 +40,11 @@ import msgpack
 import numpy as np
 
 from ledger.schema import DIGEST_BYTES, KINDS, SAMPLE, SPAN, EventChunk
+
+try:  # zlib-ng's CRC-32: the same values as zlib's, ~5x faster (4 KiB: 0.4 against 2.2 µs)
+    from zlib_ng.zlib_ng import crc32 as _crc32
+except ImportError:  # an install without it (e.g. one made before it was required)
+    from zlib import crc32 as _crc32
 
 MAGIC = "ledger-journal"
 VERSION = 2
@@ -116,7 +120,7 @@ class Journal:
                 ]
             ),
         )  # fmt: skip
-        return _FRAME.pack(_FRAME_MAGIC, len(payload), zlib.crc32(payload)), payload
+        return _FRAME.pack(_FRAME_MAGIC, len(payload), _crc32(payload)), payload
 
     def reset(self, after_commit: str | None) -> None:
         """Empty the journal after a commit; the header names that commit."""
@@ -157,7 +161,7 @@ def _raw(arr: np.ndarray) -> memoryview:
 
 
 def _frame(payload: bytes) -> bytes:
-    return _FRAME.pack(_FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload
+    return _FRAME.pack(_FRAME_MAGIC, len(payload), _crc32(payload)) + payload
 
 
 @dataclass(slots=True)
@@ -281,7 +285,7 @@ def parse_journal(data: bytes) -> JournalContents:
                 out.torn = True  # the last record was cut short
                 break
             payload = data[body : body + length]
-            if length <= _MAX_RECORD and len(payload) == length and zlib.crc32(payload) == crc:
+            if length <= _MAX_RECORD and len(payload) == length and _crc32(payload) == crc:
                 try:
                     rec = _unpack(payload)
                     if pos == 0:

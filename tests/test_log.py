@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import struct
+import zlib
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -290,7 +292,16 @@ def test_journal_records_of_batches_and_spans_match_the_general_encoding(tmp_pat
         assert journal._record(chunk)[1] == general
         journal.append(chunk)
     journal.close()
-    back = parse_journal((tmp_path / "j.msgpack").read_bytes()).chunks
+    data = (tmp_path / "j.msgpack").read_bytes()
+    # Every frame (the header's too) carries zlib's CRC-32 of its payload, whichever
+    # library computed it: a reader with plain zlib checks it.
+    at, frames = 0, 0
+    while at < len(data):
+        magic, length, crc = struct.unpack_from("<4sII", data, at)
+        assert magic == b"\xffLJ\xfe" and zlib.crc32(data[at + 12 : at + 12 + length]) == crc
+        at, frames = at + 12 + length, frames + 1
+    assert frames == 1 + len(chunks)
+    back = parse_journal(data).chunks
     assert [c.positions.tolist() for c in back] == [c.positions.tolist() for c in chunks]
     assert back[2].token_end.tolist() == spans[:, 1].tolist()
     assert back[1].values == ["{}"] * 5 and back[0].digest == b"d" * 32
