@@ -218,6 +218,32 @@ def load_batch(
         return samples, failures, collate(samples) if collate is not None and samples else None
 
 
+def load_in_loop(
+    dataset: Any, ids: np.ndarray, collate: Callable[[list[Any]], Any], seed: int
+) -> Any:
+    """The data of :func:`load_batch` with ``rng="batch"``, ``main_process=True``,
+    ``skip_errors=False`` and ``known_seed=seed``, for a dataset without
+    ``__getitems__``, on the training loop's thread (``num_workers=0``): the same seeds,
+    samples and collated batch, with fewer calls per batch.
+
+    Raises:
+        Exception: whatever the dataset or ``collate`` raised.
+    """
+    id_list = ids.tolist()
+    states = None if _globals_drawn else loop_states()
+    if states is None:
+        return load_batch(
+            dataset, ids, seed=0, epoch=0, position=0, rng="batch", main_process=True,
+            skip_errors=False, collate=collate, known_seed=seed,
+        )[2]  # fmt: skip
+
+    def block(reseed: Callable[[], Any] | None) -> Any:
+        samples = [dataset[i] for i in id_list]
+        return collate(samples) if samples else None
+
+    return _lazily_in_loop(block, seed, states)
+
+
 _T = TypeVar("_T")
 
 _globals_drawn = False

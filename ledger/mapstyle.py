@@ -34,7 +34,7 @@ import torch.utils.data as tud
 from ledger.commits import Commit, PipelineState
 from ledger.digest import digest_bytes
 from ledger.errors import LedgerError, SampleError
-from ledger.fetch import Failure, RngMode, load_batch
+from ledger.fetch import Failure, RngMode, batch_getter, load_batch, load_in_loop
 from ledger.order import BatchPlan, EpochOrder, batch_seeds
 from ledger.pipeline import PHASE_BATCHING, LoaderSettings, in_process, phase_record
 from ledger.replay import advance, logged_sample_ids, replay, resume_elastic
@@ -80,6 +80,9 @@ class _Fetch(tud.Dataset[Any]):
         self.skip_errors = skip_errors
         self.collate_fn = collate_fn
         self.digest = digest
+        # The common case on the training loop's thread (:meth:`in_loop`): a batch seed,
+        # torch's fetch of one sample at a time, a sample that raises stops the batch.
+        self._plain = rng == "batch" and batch_getter(dataset) is None and not skip_errors
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -114,6 +117,21 @@ class _Fetch(tud.Dataset[Any]):
         digest = digest_bytes(data) if self.digest else None
         worker = info.id if info is not None else -1
         return (epoch, epoch_batch, batch, tuple(failures), worker, digest), data
+
+    def in_loop(
+        self, request: tuple[int, int, int, int, np.ndarray, int | None]
+    ) -> tuple[tuple, Any]:
+        """:meth:`__getitems__` on the training loop's thread (``num_workers=0``,
+        :func:`ledger.pipeline.in_process`): the same batch and tag; in the common case
+        (``rng="batch"``, no ``__getitems__``, ``on_error="raise"``) through
+        :func:`ledger.fetch.load_in_loop`, a few calls fewer per batch."""
+        if not self._plain:
+            return self.__getitems__(request)
+        epoch, epoch_batch, batch, _, ids, seed = request
+        assert seed is not None  # the batch sampler computes it when rng != "off"
+        data = load_in_loop(self.dataset, ids, self.collate_fn, seed)
+        digest = digest_bytes(data) if self.digest else None
+        return (epoch, epoch_batch, batch, (), -1, digest), data
 
 
 def _collated(fetched: tuple[tuple, Any]) -> tuple[tuple, Any]:
@@ -351,7 +369,7 @@ class MapPipeline:
         self.start = state
         self.inflight.clear()
         if self.settings.num_workers == 0:
-            return in_process(self.torch_loader, self._fetch.__getitems__)
+            return in_process(self.torch_loader, self._fetch.in_loop)
         return self.torch_loader
 
     def record(self, state: PipelineState, tag: Any) -> tuple[PipelineState, list[EventChunk]]:
