@@ -327,9 +327,9 @@ def _marker_names(names: list[str]) -> pa.Array:
 def _from_catalog(table: pa.Table, at: np.ndarray) -> History:
     """The catalog's commits at rows ``at``, as columns (checked by
     :func:`ledger.compaction.catalog_tables`)."""
-    take = pa.array(at, pa.int64())
     picked = table.select(["id", "step", "attempt", "parent", "world_size", "created_at", "width"])
-    picked = picked.take(take)
+    if len(at) != len(table):  # else every commit of the catalog, in order: no copy
+        picked = picked.take(pa.array(at, pa.int64()))
     ranks = table["ranks"].combine_chunks()
     values = ranks.values.to_numpy()
     offsets = ranks.offsets.to_numpy()

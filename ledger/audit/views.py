@@ -239,12 +239,12 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     weakref.finalize(con, shutil.rmtree, scratch, True)
-    con.register("events", _events_dataset(store, tables.segments, placed))
-    lineage_placed = (placed[0][in_chain], placed[1])
-    con.register(
-        "lineage",
-        _events_dataset(store, tables.segments.filter(pa.array(in_chain)), lineage_placed),
-    )
+    events = _events_dataset(store, tables.segments, placed)
+    con.register("events", events)
+    if not in_chain.all():
+        lineage_placed = (placed[0][in_chain], placed[1])
+        events = _events_dataset(store, tables.segments.filter(pa.array(in_chain)), lineage_placed)
+    con.register("lineage", events)  # every segment is of the lineage: the same dataset
     commits_view = tables.commits.append_column("in_lineage", pa.array(in_lineage)).append_column(
         "is_head", pa.array(is_head)
     )
