@@ -10,7 +10,6 @@ recorded, and after a resume they are simply produced again.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -18,7 +17,6 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -38,7 +36,6 @@ from ledger.errors import (
 )
 from ledger.fetch import RngMode, check_on_error, check_rng
 from ledger.log import Ledger
-from ledger.replay import reading_ahead
 from ledger.schema import EventChunk
 from ledger.store import Store
 from ledger.validate import require
@@ -707,8 +704,38 @@ class DataLoader:
         if not isinstance(skip_batches, int) or isinstance(skip_batches, bool) or skip_batches < 0:
             raise ValueError(f"skip_batches must be an int >= 0, got {skip_batches!r}")
         token = _check_token(state_dict)
-        with self._reading_ahead(token):
-            head, state = self._replay_token(token, new_phase)
+        self._token_commits = {}  # the token's commit, read once (markers are immutable)
+        moved = _normal_root(token["root"]) != self._ledger.root
+        run = self._check_run(token, moved)
+        phase = None
+        if run is not None:
+            # Before the generic config check: e.g. name the first shard that changed.
+            logged = run["config"]
+            self._pipeline.check_logged(logged)
+            phase = self._phase(token, moved, logged, new_phase)
+        self._ledger.enter_phase(phase)
+        self._pipeline.enter_phase(phase)
+        try:
+            run_id = self._ledger.open(self.config, run)
+        except ConfigMismatch as e:
+            if e.field == "seed" and self._seed_from_torch:
+                raise ConfigMismatch(
+                    "seed", e.expected, e.found,
+                    "This loader took its seed from torch.initial_seed() (no seed= was "
+                    f"given): pass seed={e.expected!r}, or call torch.manual_seed("
+                    f"{e.expected!r}) before building the loader, as the logged run did.",
+                ) from e  # fmt: skip
+            raise
+        if token["run_id"] != run_id:  # a run created since _check_run (a racing writer)
+            raise WrongRoot(f"{self._ledger.root} holds run {run_id}, not the token's")
+        if token["commit"] == "":
+            head = None
+            state = self._pipeline.initial_state()
+        else:
+            head = self._read_token_commit(token, moved)
+            state, self._resume_events = self._pipeline.replay(self._ledger.store, head)
+        if self._verify_data and head is not None:
+            self._check_last_batch(head, state)
         self._state = state
         self._resume_from = head
         # Ranges planned in the lineage and not reached at the commit stay planned.
@@ -744,57 +771,6 @@ class DataLoader:
             self.skip(skip_batches, reason=reason)
         if skip_steps is not None:
             self.skip(steps=skip_steps, reason=reason)
-
-    def _reading_ahead(self, token: dict[str, Any]) -> AbstractContextManager[None]:
-        """Start reading the segment a resume from ``token`` replays, on a background
-        thread, while the markers are read (:func:`ledger.replay.reading_ahead`); only
-        for a pipeline whose replay decodes it, at the token's world size."""
-        if (
-            token["commit"] == ""
-            or token["world_size"] != self._world_size
-            or not self._pipeline.replays_last_batch
-        ):
-            return contextlib.nullcontext()
-        return reading_ahead(self._ledger.store, token["attempt"], self._rank, token["step"])
-
-    def _replay_token(
-        self, token: dict[str, Any], new_phase: bool
-    ) -> tuple[Commit | None, PipelineState]:
-        """The token's commit (``None``: the token of a run with no commit) and this
-        rank's state there, replayed and verified (see :meth:`load_state_dict`)."""
-        self._token_commits = {}  # the token's commit, read once (markers are immutable)
-        moved = _normal_root(token["root"]) != self._ledger.root
-        run = self._check_run(token, moved)
-        phase = None
-        if run is not None:
-            # Before the generic config check: e.g. name the first shard that changed.
-            logged = run["config"]
-            self._pipeline.check_logged(logged)
-            phase = self._phase(token, moved, logged, new_phase)
-        self._ledger.enter_phase(phase)
-        self._pipeline.enter_phase(phase)
-        try:
-            run_id = self._ledger.open(self.config, run)
-        except ConfigMismatch as e:
-            if e.field == "seed" and self._seed_from_torch:
-                raise ConfigMismatch(
-                    "seed", e.expected, e.found,
-                    "This loader took its seed from torch.initial_seed() (no seed= was "
-                    f"given): pass seed={e.expected!r}, or call torch.manual_seed("
-                    f"{e.expected!r}) before building the loader, as the logged run did.",
-                ) from e  # fmt: skip
-            raise
-        if token["run_id"] != run_id:  # a run created since _check_run (a racing writer)
-            raise WrongRoot(f"{self._ledger.root} holds run {run_id}, not the token's")
-        if token["commit"] == "":
-            head = None
-            state = self._pipeline.initial_state()
-        else:
-            head = self._read_token_commit(token, moved)
-            state, self._resume_events = self._pipeline.replay(self._ledger.store, head)
-        if self._verify_data and head is not None:
-            self._check_last_batch(head, state)
-        return head, state
 
     def _phase(
         self, token: dict[str, Any], moved: bool, logged: dict[str, Any], new_phase: bool

@@ -284,7 +284,6 @@ class MapPipeline:
     """
 
     workers = 0
-    replays_last_batch = True
 
     def __init__(self, dataset: MapDataset, settings: LoaderSettings) -> None:
         self.dataset = dataset

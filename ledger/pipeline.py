@@ -79,16 +79,11 @@ class Pipeline(Protocol):
             dataset, whose state holds none).
         torch_loader: the ``torch.utils.data.DataLoader`` it runs (the loader shuts its
             workers down on :meth:`ledger.DataLoader.close`).
-        replays_last_batch: whether :meth:`replay` at the head's world size decodes the
-            final batch of the rank's newest segment (map-style datasets and mixtures), so
-            the loader may start reading it before the markers
-            (:func:`ledger.replay.reading_ahead`).
     """
 
     dataset: Any
     workers: int
     torch_loader: Any
-    replays_last_batch: bool
 
     def config(self) -> dict[str, Any]:
         """What must not change across a resume (stored in ``run.json``)."""

@@ -16,11 +16,8 @@ checks two things before the loader may produce a batch:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -40,7 +37,6 @@ from ledger.commits import (
 from ledger.errors import LogCorrupted, ResumeMismatch
 from ledger.order import BatchPlan
 from ledger.schema import BUFFER, ERROR, ROLLBACK, SAMPLE, SKIP, EventChunk
-from ledger.segments import segment_path
 from ledger.store import Store
 
 if TYPE_CHECKING:
@@ -73,7 +69,7 @@ def _strings(column: pa.ChunkedArray) -> np.ndarray:
     return np.asarray(column.to_pylist(), dtype=object)
 
 
-def _last_batch(rel: str, pf: pq.ParquetFile) -> pa.Table:
+def _last_batch(segment: segments.CheckedLater, ref: SegmentRef) -> pa.Table:
     """The positions the last batch of a segment took, reading only its tail: its
     ``sample`` events and its ``error`` events (samples left out, ``on_error="skip"``),
     or the ``rollback`` events of a batch skipped on purpose; by position.
@@ -84,13 +80,14 @@ def _last_batch(rel: str, pf: pq.ParquetFile) -> pa.Table:
     own (:func:`ledger.segments.encode`), so a resume decodes a few hundred rows. Without
     statistics, groups are decoded from the end until one starts with an earlier batch.
 
-    Runs on the thread that hashes the segment (:class:`ledger.segments.CheckedLater`):
-    the caller trusts the rows only once the hash matched.
-
-    Raises:
-        LogCorrupted: if the segment ``rel`` holds no events, or no sample of its last
-            batch.
+    The segment's SHA-256 is being checked on a background thread: the caller must call
+    ``segment.confirm()`` before trusting the rows, and also when this raises, so that an
+    altered file is named as such, whatever reading it raised.
     """
+    return _tail_rows(segment.file(), ref)
+
+
+def _tail_rows(pf: pq.ParquetFile, ref: SegmentRef) -> pa.Table:
     columns = ["epoch", "batch", "position", "sample_id", "kind"]
     names = pf.metadata.schema.names  # Parquet's: the Arrow schema costs ~25 us to build
     batch_column = names.index("batch") if "batch" in names else -1
@@ -113,57 +110,20 @@ def _last_batch(rel: str, pf: pq.ParquetFile) -> pa.Table:
         if batches[0] < last:
             break
     if last is None:
-        raise LogCorrupted(f"segment {rel} holds no events")
+        raise LogCorrupted(f"segment {ref.path} holds no events")
     # numpy rather than Arrow compute kernels: a few hundred rows, where each kernel
     # call's dispatch costs more than the work; the table is cut once, by row numbers.
     table = pa.concat_tables(groups) if len(groups) > 1 else groups[0]
     first = int(np.searchsorted(_numpy(table["batch"]), last, side="left"))  # never decrease
     rows = first + np.flatnonzero(_kind_in(table["kind"], (SAMPLE, ERROR, ROLLBACK))[first:])
     if rows.size == 0:
-        raise LogCorrupted(f"segment {rel} ends with batch {last} but holds no sample of it")
+        raise LogCorrupted(f"segment {ref.path} ends with batch {last} but holds no sample of it")
     positions = _numpy(table["position"])[rows]
     if rows.size > 1 and not (positions[1:] >= positions[:-1]).all():
         rows = rows[np.argsort(positions, kind="stable")]
     elif int(rows[-1]) - int(rows[0]) + 1 == rows.size:  # one run of rows: no copy
         return table.slice(int(rows[0]), rows.size)
     return table.take(pa.array(rows))
-
-
-_AHEAD: ContextVar[tuple[Store, segments.CheckedLater[pa.Table]] | None] = ContextVar(
-    "ledger_replay_ahead", default=None
-)
-
-
-@contextmanager
-def reading_ahead(store: Store, attempt: int, rank: int, step: int) -> Iterator[None]:
-    """Within the block, read, decode and hash on a background thread the segment that a
-    resume of ``rank`` from the commit of ``attempt`` at ``step`` most likely replays
-    (the one the rank wrote at that commit), before the markers that name it are read:
-    :func:`replay` uses it if the head's marker names that file, and checks it against
-    the marker's row count and checksum as if it had been read after.
-
-    A resume reads ``run.json``, the head marker and its rank table first (~0.4 ms);
-    the segment's read, footer, final row group and hash (~1.5 ms) then start early
-    enough to be done when the order's ids are. A guess that is wrong (the rank wrote
-    nothing at that commit, or a compaction retired the file) costs the read and
-    nothing else; the block's end drops the bytes.
-    """
-    rel = segment_path(attempt, rank, step)
-    reader = segments.CheckedLater.ahead(store, rel, partial(_last_batch, rel))
-    handle = _AHEAD.set((store, reader))
-    try:
-        yield
-    finally:
-        _AHEAD.reset(handle)
-
-
-def _ahead(store: Store, ref: SegmentRef) -> segments.CheckedLater[pa.Table] | None:
-    """The segment :func:`reading_ahead` started, if it is ``ref``'s file."""
-    started = _AHEAD.get()
-    if started is None or started[0] is not store or started[1].rel != ref.path:
-        return None
-    _AHEAD.set(None)  # used once: a second replay in the block reads anew
-    return started[1] if started[1].expect(ref.rows, ref.sha256) else None
 
 
 def _numpy(column: pa.ChunkedArray) -> np.ndarray:
@@ -260,16 +220,11 @@ def replay(
             )
         return folded
 
-    segment = _ahead(store, ref)
-    if segment is None:
-        segment = segments.CheckedLater(
-            store, ref.path, rows=ref.rows, checksum=ref.sha256,
-            decode=partial(_last_batch, ref.path),
-        )  # fmt: skip
+    segment = segments.CheckedLater(store, ref.path, rows=ref.rows, checksum=ref.sha256)
     try:
         if meanwhile is not None:
             meanwhile()
-        rows = segment.decoded()
+        rows = _last_batch(segment, ref)
         folded = _fold_last_batch(head, plan, order_for, ids_of, rows)
     except Exception:
         segment.confirm()  # an altered segment is named as such, not as a mismatch

@@ -10,9 +10,7 @@ then zstd; ``kind`` is dictionary-encoded. Measured by
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Generic, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -21,8 +19,6 @@ import pyarrow.parquet as pq
 from ledger.errors import LogCorrupted
 from ledger.schema import EVENT_SCHEMA, EventChunk, chunks_to_table
 from ledger.store import Store, sha256
-
-T = TypeVar("T")
 
 ROW_GROUP_ROWS = 1 << 16
 """Rows per Parquet row group: the unit encoded in the background, and read on resume."""
@@ -193,115 +189,58 @@ def open_segment(
     return found
 
 
-class CheckedLater(Generic[T]):
-    """A segment read, decoded and hashed on a background thread, for a resume, which
-    decodes only its final batch (:func:`ledger.replay.replay`).
+class CheckedLater:
+    """A segment read and hashed on a background thread, for a resume, which decodes
+    only its final batch (:func:`ledger.replay.replay`).
 
-    The thread reads the file, parses it and runs ``decode`` on it (Arrow's Parquet
-    reader releases the GIL), hands that result on, and then computes the bytes' SHA-256
-    (~1 ms per 1.4 MB; hashlib and file reads release the GIL), so all of it overlaps
-    with the caller's work on another core. The bytes decoded are the bytes hashed. The
-    caller must call :meth:`confirm` before it trusts anything :meth:`decoded` returned,
-    and also when that raised, so that an altered file is named as such.
-
-    A reader may start before the marker that names the segment has been read
-    (:meth:`ahead`: a resume guesses the path from its token); :meth:`expect` then gives
-    it the marker's row count and checksum, which it checks as if it had been made with
-    them.
+    The thread reads the file, hands the bytes on (:meth:`file` parses them in the
+    caller's thread) and then computes their SHA-256 (~1 ms per 1.4 MB; hashlib and
+    file reads release the GIL), so reading and hashing overlap with the caller's work
+    on another core. The bytes decoded are the bytes hashed. The caller must call
+    :meth:`confirm` before it trusts anything it read, and also when reading raised,
+    so that an altered file is named as such.
 
     Args:
         store: the log's store.
         rel: relative path of the segment.
         rows: expected number of rows (from the commit marker), or ``None``.
         checksum: expected hex SHA-256 of the file, or ``None`` to skip the check.
-        decode: what to take from the parsed file (for example its final row group).
     """
 
-    def __init__(
-        self,
-        store: Store,
-        rel: str,
-        *,
-        rows: int | None,
-        checksum: str | None,
-        decode: Callable[[pq.ParquetFile], T],
-        guess: bool = False,
-    ) -> None:
+    def __init__(self, store: Store, rel: str, *, rows: int | None, checksum: str | None) -> None:
         self.store = store
         self.rel = rel
         self.rows = rows
         self.checksum = checksum
-        self._guess = guess
-        self._decode = decode
-        self._found: Future[bool] = Future()
-        self._decoded: Future[tuple[int, T]] = Future()
+        self._data: Future[bytes | pa.Table] = Future()
         self._hash = _hasher().submit(self._read_and_hash)
-
-    @classmethod
-    def ahead(
-        cls, store: Store, rel: str, decode: Callable[[pq.ParquetFile], T]
-    ) -> CheckedLater[T]:
-        """Start reading ``rel`` before its marker is read (see :meth:`expect`)."""
-        return cls(store, rel, rows=None, checksum=None, decode=decode, guess=True)
-
-    def expect(self, rows: int, checksum: str | None) -> bool:
-        """Give a reader made by :meth:`ahead` the marker's row count and checksum.
-
-        Returns:
-            ``False`` if the file was not found as a file of its own (a segment retired
-            by a compaction is read through its marker's figures): read it anew then.
-        """
-        self.rows = rows
-        self.checksum = checksum
-        return self._found.result()
 
     def _read_and_hash(self) -> str | None:
         try:
-            if self._guess:
-                try:
-                    data: bytes | pa.Table = self.store.read_bytes(self.rel)
-                except FileNotFoundError:
-                    self._found.set_result(False)
-                    return None
-            else:
-                data = _read(self.store, self.rel, self.rows, self.checksum)
+            data = _read(self.store, self.rel, self.rows, self.checksum)
         except BaseException as e:
-            self._found.set_result(True)
-            self._decoded.set_exception(e)
+            self._data.set_exception(e)
             return None
-        self._found.set_result(True)
-        try:
-            if isinstance(data, pa.Table):  # a compacted segment's rows, checked as read
-                pf = pq.ParquetFile(pa.BufferReader(encode(data)))
-            else:
-                pf = _parse(self.store, self.rel, data, None, _CODES)
-            self._decoded.set_result((pf.metadata.num_rows, self._decode(pf)))
-        except BaseException as e:
-            self._decoded.set_exception(e)
-        if isinstance(data, pa.Table):
-            return None  # checked as it was read
+        self._data.set_result(data)
+        if isinstance(data, pa.Table) or self.checksum is None:
+            return None  # a compacted piece was checked as it was read
         return sha256(data)
 
-    def decoded(self) -> T:
-        """What ``decode`` returned (waits for it).
+    def file(self) -> pq.ParquetFile:
+        """The segment, parsed from the bytes being hashed (waits for the read).
 
         Raises:
-            LogCorrupted: if the file is missing, does not parse, holds another number of
-                rows than the marker says, or ``decode`` raised it; an altered file is named
-                as such (after :meth:`confirm`) rather than as unreadable.
+            LogCorrupted: if the file is missing, or does not parse (after :meth:`confirm`:
+                an altered file is named as such rather than as unreadable).
         """
+        data = self._data.result()
+        if isinstance(data, pa.Table):  # a compacted segment's rows, checked as read
+            return pq.ParquetFile(pa.BufferReader(encode(data)))
         try:
-            num_rows, result = self._decoded.result()
+            return _parse(self.store, self.rel, data, self.rows, _CODES)
         except LogCorrupted:
             self.confirm()
             raise
-        if self.rows is not None and num_rows != self.rows:
-            self.confirm()
-            raise LogCorrupted(
-                f"segment {self.store.full(self.rel)} has {num_rows} rows, its marker says "
-                f"{self.rows}"
-            )
-        return result
 
     def confirm(self) -> None:
         """Wait for the hash; a no-op without a checksum.

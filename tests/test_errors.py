@@ -13,8 +13,6 @@ from click.testing import CliRunner
 from conftest import Augmented
 
 import ledger
-import ledger.loader
-from ledger import segments
 from ledger.cli import main
 from ledger.commits import read_commit
 from ledger.errors import (
@@ -113,59 +111,6 @@ def test_a_missing_newest_segment_is_named_on_resume(root):
     fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root)
     with pytest.raises(LogCorrupted, match=r"seg-000000000003\.parquet named by a commit marker"):
         fresh.load_state_dict(token)
-
-
-def test_resume_reads_the_newest_segment_ahead_of_its_marker(root, monkeypatch):
-    # The segment the token's commit wrote is read, decoded and hashed on a background
-    # thread from the start of load_state_dict, before run.json and the markers: one
-    # reader, started from the token, and the resume continues the log exactly.
-    token = _token(root)
-    reference = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root + "r")
-    expected = [b["id"].tolist() for b in take(reference, 5)][3:]
-    made = []
-    real = segments.CheckedLater.__init__
-
-    def spy(self, store, rel, **kw):
-        made.append((rel, kw.get("guess", False)))
-        real(self, store, rel, **kw)
-
-    monkeypatch.setattr(segments.CheckedLater, "__init__", spy)
-    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root)
-    fresh.load_state_dict(token)
-    assert made == [(read_commit(Store(root), token["commit"]).segments[0].path, True)]
-    assert [b["id"].tolist() for b in take(fresh, 2)] == expected
-
-
-@pytest.mark.parametrize("damaged", ["guessed", "named"])
-def test_a_wrong_guess_of_the_newest_segment_is_never_trusted(root, monkeypatch, damaged):
-    # A guess that names another file (here the rank's older segment) is dropped: its
-    # damage is no error, the marker's own segment is read anew, and its damage is.
-    loader = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root)
-    list(take(loader, 2))
-    older = loader.state_dict()
-    list(take(loader, 1))
-    token = loader.state_dict()
-    segs = {
-        name: os.path.join(root, read_commit(Store(root), t["commit"]).segments[0].path)
-        for name, t in (("guessed", older), ("named", token))
-    }
-    assert segs["guessed"] != segs["named"]
-    with open(segs[damaged], "r+b") as f:
-        f.seek(8)
-        f.write(b"\0" * 4)
-    real = ledger.loader.reading_ahead
-    monkeypatch.setattr(
-        ledger.loader,
-        "reading_ahead",
-        lambda store, attempt, rank, step: real(store, attempt, rank, older["step"]),
-    )
-    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root)
-    if damaged == "named":
-        with pytest.raises(LogCorrupted, match="sha256"):
-            fresh.load_state_dict(token)
-        return
-    fresh.load_state_dict(token)
-    assert fresh.state.batch == 3
 
 
 def test_changed_order_is_caught_by_verification_not_config(root, monkeypatch):

@@ -159,8 +159,6 @@ class MixedStreamPipeline:
             with fewer positions, or a source with fewer rows, than logical workers.
     """
 
-    replays_last_batch = False  # replay reads the buffers' snapshot
-
     def __init__(self, mixture: Mixture, settings: LoaderSettings) -> None:
         if settings.drop_last or settings.persistent_workers:
             raise ValueError(

@@ -68,8 +68,6 @@ class StreamPipeline:
             with no row.
     """
 
-    replays_last_batch = False  # replay reads the buffers' snapshot
-
     def __init__(self, stream: Stream, settings: LoaderSettings) -> None:
         if settings.drop_last or settings.persistent_workers:
             raise ValueError(
