@@ -338,5 +338,6 @@ def decode(data: bytes, shape: tuple[int, int], attempt: int, where: str) -> Ran
         raise LogCorrupted(f"{where} is not a rank table: {e}") from e
     if len(raw) != w * width * 8:
         raise LogCorrupted(f"{where} holds {len(raw)} bytes, not a {w} x {width} rank table")
-    columns = np.frombuffer(raw, np.uint8).reshape(8, -1).T.copy().view("<i8").reshape(width, w)
-    return RankTable(np.ascontiguousarray(columns.T), attempt)
+    # Byte b of column c of rank r is at [b, c, r]: one transposing copy to [r, c, b].
+    shuffled = np.frombuffer(raw, np.uint8).reshape(8, width, w)
+    return RankTable(shuffled.transpose(2, 1, 0).copy().view("<i8").reshape(w, width), attempt)

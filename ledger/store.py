@@ -50,6 +50,33 @@ _S3 = ("s3", "s3a")
 _probed: dict[tuple[str, str], bool] = {}  # (storage options, bucket) -> conditional PUT works
 
 
+_SMALL = 1 << 16
+"""Bytes of a file read by one ``os.read`` before :func:`_read_local` reads the rest
+through a file object (64 KiB: below malloc's mmap threshold)."""
+
+
+def _read_local(path: str) -> bytes:
+    """Whole contents of a local file: ``os.open`` and ``os.read`` for a small one (a
+    marker, rank table or segment: ~5 us, against ~12 us for ``open().read()``'s
+    buffered file object, which counts at 10^4 commits of two files each).
+
+    Raises:
+        FileNotFoundError: if it does not exist (``OSError`` otherwise).
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    try:
+        head = os.read(fd, _SMALL)
+        if len(head) < _SMALL:
+            rest = os.read(fd, _SMALL)  # b"" at the end of the file
+            if not rest:
+                return head
+            head += rest
+        with open(fd, "rb", closefd=False) as f:
+            return head + f.read()
+    finally:
+        os.close(fd)
+
+
 def sha256(data: bytes) -> str:
     """Hex SHA-256 of ``data`` (FIPS 180-4)."""
     return hashlib.sha256(data).hexdigest()
@@ -190,8 +217,7 @@ class Store:
         """
         try:
             if self.is_local:  # fsspec costs ~100 us a call; a log has 10^4 small markers
-                with open(self._os_path(rel), "rb") as f:
-                    return f.read()
+                return _read_local(self._os_path(rel))
             return bytes(self.fs.cat_file(self.full(rel)))
         except FileNotFoundError:
             raise

@@ -15,6 +15,8 @@ import os
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner, Result
@@ -24,9 +26,12 @@ import ledger
 from ledger.audit import summarize
 from ledger.audit.checks import check, verify
 from ledger.audit.queries import reconstruct, show, where
+from ledger.audit.scan import check_segment
 from ledger.cli import main
 from ledger.errors import LedgerError, LogCorrupted, TokenError
 from ledger.journal import parse_journal
+from ledger.ranks import SegmentRef
+from ledger.store import Store, sha256
 from ledger.testing import take
 
 # One worker runs this module whole (pytest-xdist --dist loadgroup): its module-scoped
@@ -487,3 +492,24 @@ def test_verify_names_each_damaged_segment_among_many(tmp_path):
         f"(commit 000000000066-0000) has {size * 2 // 3} bytes, the marker says {size}"
     )
     assert damaged.results[3].detail == "not checked: the log is damaged"
+
+
+def test_verify_names_a_segment_of_another_attempt_or_rank(pristine):
+    """A segment whose bytes match its marker but whose rows are another attempt's or
+    rank's (its Parquet statistics say so) is named, with what it holds."""
+    store = Store(pristine)
+    seg = FILES["segment"]
+    data = store.read_bytes(seg)
+    rows = pq.ParquetFile(os.path.join(pristine, seg)).metadata.num_rows
+    named = f"{seg} (commit 000000000004-0000)"
+    for attempt, rank, problem in (
+        (0, 0, None),
+        (0, 1, f"{named} holds rank 0..0, its path says 1"),
+        (2, 0, f"{named} holds attempt 0..0, its path says 2"),
+    ):
+        ref = SegmentRef(rank, seg, rows, len(data), sha256(data))
+        found = check_segment(store, "000000000004-0000", attempt, ref, ["sample_id"])
+        if problem is None:
+            assert isinstance(found, pa.Table) and found.num_rows == rows
+        else:
+            assert found == problem

@@ -648,7 +648,8 @@ def check_segment(
         return f"{where} has another SHA-256 than its marker"
     try:
         reader = pq.ParquetReader()
-        reader.open(pa.BufferReader(data))
+        # The bytes are in memory: pre-buffering them again costs ~5% of a small file.
+        reader.open(pa.BufferReader(data), pre_buffer=False)
         meta = reader.metadata
         # A nested column's path has a dot, so it never passes for an event column.
         names = [".".join(path) for path in reader.column_paths]
@@ -678,7 +679,8 @@ def _segment_content(
         i = names.index(col)
         for group in groups:
             st = group.column(i).statistics
-            if st is not None and st.has_min_max and not st.min == st.max == want:
+            # The raw values (integers: no conversion through the logical type) at once.
+            if st is not None and st.has_min_max and not st.min_raw == st.max_raw == want:
                 return f"{where} holds {col} {st.min}..{st.max}, its path says {want}"
     return None
 
