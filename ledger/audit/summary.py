@@ -453,6 +453,9 @@ def _ranks(con: duckdb.DuckDBPyConnection, head: str) -> tuple[RankSummary, ...]
 
 def _skew(con: duckdb.DuckDBPyConnection) -> Skew | None:
     """Spread between ranks at each lineage commit, counted from their attempt's start."""
+    widest = pc.max(commits_table(con)["world_size"]).as_py()
+    if widest is None or widest <= 1:  # no attempt of several ranks: the query finds none
+        return None
     row = con.execute(
         """
         WITH per AS (
