@@ -23,6 +23,7 @@ Example:
     nice -n 10 python tools/scale.py                # about 3 minutes on 2 cores
     python tools/scale.py --quick                   # smaller sizes, for a smoke run
     nice -n 10 python tools/scale.py --audit-only   # the compacted audit's rows only
+    python tools/scale.py --logs FEW COMPACTED --repeat 9   # two logs built before
 """
 
 from __future__ import annotations
@@ -208,6 +209,28 @@ def marker_work(world: int, workers: int, repeat: int) -> tuple[float, float, fl
     return t_work, (len(table) + len(marker)) / world, t_parse
 
 
+def audit_ratio(console: Console, few: str, compacted: str, repeat: int) -> None:
+    """Time ``ledger.audit.summarize`` of two logs holding the same events (``few``
+    segments; ``compacted``), each run once first (imports, the OS's caches), then
+    alternately ``repeat`` times each; print the best CPU and wall-clock ms and the
+    ratio compacted / few."""
+    load = os.getloadavg()[0]
+    best = {root: (math.inf, math.inf) for root in (few, compacted)}
+    for root in best:
+        summarize(root)
+    for _ in range(repeat):
+        for root, (wall, cpu) in best.items():
+            w, c = timed(lambda root=root: summarize(root), 1)
+            best[root] = (min(wall, w), min(cpu, c))
+    (w_few, c_few), (w_c, c_c) = best[few], best[compacted]
+    console.print(
+        f"audit summary, best of {repeat}, CPU / wall ms: {few} {c_few * 1e3:.1f} / "
+        f"{w_few * 1e3:.1f}; {compacted} {c_c * 1e3:.1f} / {w_c * 1e3:.1f}; compacted / few "
+        f"{c_c / c_few:.2f}x CPU, {w_c / w_few:.2f}x wall (load average {load:.1f} at the "
+        f"start, {os.getloadavg()[0]:.1f} at the end)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
@@ -218,8 +241,18 @@ def main() -> None:
         action="store_true",
         help="only the audit of 10^6 events after compaction (and verify of that log)",
     )
+    ap.add_argument(
+        "--logs",
+        nargs=2,
+        metavar=("FEW", "COMPACTED"),
+        help="only time the audit summary of these two logs (the same events in few "
+        "segments, and compacted), alternately; builds nothing",
+    )
     args = ap.parse_args()
     console = Console()
+    if args.logs:
+        audit_ratio(console, *args.logs, args.repeat)
+        return
     base = args.dir or tempfile.mkdtemp(prefix="ledger-scale-")
     os.makedirs(base, exist_ok=True)
     # One-process gloo group: lets a loader say world_size=W without W processes (resume
