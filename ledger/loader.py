@@ -51,10 +51,6 @@ class MapDataset(Protocol):
     def __getitem__(self, index: int) -> Any: ...
 
 
-def _default_collate(batch: list[Any]) -> Any:
-    return tud.default_collate(batch)
-
-
 class _WorkerInit:
     """Runs in each worker first: die with the main process, ignore the preemption
     signals the main process handles, then the user's init.
@@ -308,7 +304,7 @@ class DataLoader:
                 rank=rank,
                 world_size=world_size,
                 num_workers=num_workers,
-                collate_fn=collate_fn or _default_collate,
+                collate_fn=collate_fn or tud.default_collate,
                 rng=self.rng,
                 digest=digest,
                 persistent_workers=persistent_workers,
