@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
 import random
 import struct
@@ -549,16 +550,17 @@ def _find_torch_state(generator: torch.Generator) -> _TorchState | None:
         serial = generator.get_state().numpy().tobytes()
         seed, left, seeded, nxt = _SERIAL.unpack_from(serial)
         words = np.frombuffer(serial, "<u8", _STATE_WORDS, _SERIAL.size).astype("<u4").tobytes()
-        head = ctypes.string_at(impl, _TorchState._SEARCH)
-        at = head.find(words[:32])
-        if at < 20 or head.find(words[:32], at + 1) >= 0:
+        head = _read_memory(impl, _TorchState._SEARCH)
+        at = head.find(words[:32]) if head is not None else -1
+        if at < 20 or head is None or head.find(words[:32], at + 1) >= 0:
             return None
         start = impl + at - 20
-        fields = ctypes.string_at(start, 20)
+        fields = _read_memory(start, _TorchState._SIZE)
         if (
-            struct.unpack_from("<QiB", fields) != (seed, left, seeded)
+            fields is None
+            or struct.unpack_from("<QiB", fields) != (seed, left, seeded)
             or struct.unpack_from("<I", fields, 16)[0] != nxt
-            or ctypes.string_at(start + 20, len(words)) != words
+            or fields[20 : 20 + len(words)] != words
         ):
             return None
         saver = _TorchState(generator, start)
@@ -599,6 +601,23 @@ def _find_torch_state(generator: torch.Generator) -> _TorchState | None:
         return None
     finally:
         generator.set_state(saved)
+
+
+def _read_memory(address: int, size: int) -> bytes | None:
+    """``size`` bytes (at most 4096) at ``address``, or ``None`` if this process cannot
+    read them: the kernel copies them into a pipe, and ``write(2)`` fails (EFAULT) on an
+    unmapped address where reading it directly would crash the process (a torch whose
+    objects are laid out otherwise than :class:`_TorchState` expects)."""
+    r, w = os.pipe()
+    try:
+        try:
+            written = os.write(w, (ctypes.c_char * size).from_address(address))
+        except OSError:
+            return None
+        return os.read(r, size) if written == size else None
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 _torch_state: tuple[torch.Generator, _TorchState | None] | None = None

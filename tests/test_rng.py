@@ -361,3 +361,20 @@ def test_lazy_seeding_where_no_layout_is_known(tmp_path, monkeypatch, which):
     assert (np.random.normal(), random.gauss(0, 1), float(torch.rand(()))) == loop_next
     monkeypatch.undo()
     order._torch_state = order._loop_states = None  # found again for later tests
+
+
+def test_torch_layout_is_probed_without_reading_unmapped_memory():
+    """The generator's memory is first read through a pipe, so a torch laid out otherwise
+    (a pointer that is not the generator's) is refused, not a crash."""
+    import ctypes
+
+    from ledger import order
+
+    assert order._read_memory(0, 16) is None  # unmapped: EFAULT, not SIGSEGV
+    data = ctypes.create_string_buffer(b"ledger", 6)
+    assert order._read_memory(ctypes.addressof(data), 6) == b"ledger"
+    other = torch.Generator()
+    other.manual_seed(5)
+    before = other.get_state()
+    assert order._find_torch_state(other) is not None  # any CPU generator has the layout
+    assert torch.equal(other.get_state(), before)  # and is left as it was
