@@ -194,7 +194,7 @@ class PackState:
         if n == 0:
             return np.zeros(0, np.int64), 0
         start, end, length = spans[:, 0], spans[:, 1], spans[:, 2]
-        if int(start[0]) != (0 if doc is None else doc[1]):
+        if start.item(0) != (0 if doc is None else doc[1]):
             self._refuse(0, ids, spans, doc[:2] if doc else None)
         # Ufunc calls only (np.cumsum and np.where add ~2 µs of Python each on a batch).
         going = end < length  # span i leaves its sample unfinished: span i + 1 goes on
@@ -204,9 +204,9 @@ class PackState:
         index = np.empty(n, np.int64)
         index[0] = 0
         np.add.accumulate(~going[:-1], dtype=np.int64, out=index[1:])
-        begun = int(index[-1]) + (doc is None)
-        e, le = int(end[-1]), int(length[-1])
-        self.doc = None if e >= le else (int(ids[-1]), e, le)
+        begun = index.item(-1) + (doc is None)
+        e, le = end.item(-1), length.item(-1)
+        self.doc = None if e >= le else (ids.item(-1), e, le)
         return index, begun
 
     def _refuse(

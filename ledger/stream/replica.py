@@ -108,7 +108,7 @@ class Replica:
                 places = np.concatenate((self._doc_placed, places))
         if ids.dtype != np.int64:
             ids = ids.astype(np.int64)
-        if want.size <= int(index[-1]) or want[index].tobytes() != ids.tobytes():
+        if want.size <= index.item(-1) or want[index].tobytes() != ids.tobytes():
             # Another sample than the plan's: re-fold from the batch's start for the
             # precise error (a span that does not continue its sample, or the id stream's).
             self.packing.doc = doc

@@ -145,9 +145,10 @@ class IdFeed:
         if t == 0:
             return self._shard, self._row, self._rows_read, self._draws, self._emitted
         return (
-            int(self._shard_after[t - 1]),
-            int(self._row_after[t - 1]),
-            int(self._read_after[t - 1]),
+            # ``item``: a Python int at half the cost of ``int(arr[i])`` (once per batch)
+            self._shard_after.item(t - 1),
+            self._row_after.item(t - 1),
+            self._read_after.item(t - 1),
             self._draws + (t if self.size else 0),
             self._emitted + t,
         )
@@ -177,7 +178,7 @@ class IdFeed:
         return self._end_shard() >= len(self.pieces) and self._end_buf.size == 0
 
     def _end_shard(self) -> int:
-        return int(self._shard_after[-1]) if len(self._out) else self._shard
+        return self._shard_after.item(-1) if len(self._out) else self._shard
 
     # ------------------------------------------------------------------ rows
 
@@ -382,7 +383,7 @@ class IdFeed:
         copy): ``int64 (k + 1,)`` ids and positions. ``None`` (nothing taken) otherwise.
         """
         t = self._t
-        if t == 0 or t + k > len(self._out) or int(self._out[t - 1]) != previous:
+        if t == 0 or t + k > len(self._out) or self._out.item(t - 1) != previous:
             return None
         self._t = t + k
         return self._out[t - 1 : t + k], self._positions()[t - 1 : t + k]
