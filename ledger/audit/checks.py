@@ -9,24 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from ledger import manifest
-from ledger.audit.mixture import check_mixture
 from ledger.audit.names import ALL_CHECKS, CHECKS
 from ledger.audit.scan import Progress, ScanResult, scan_segments, segment_jobs
-from ledger.audit.summary import (
-    Summary,
-    finished_epochs,
-    summarize,
-    uncovered_epochs,
-)
-from ledger.audit.views import connect
 from ledger.commits import (
     Commit,
     default_head,
@@ -42,6 +33,12 @@ from ledger.errors import LogCorrupted
 from ledger.history import read_history
 from ledger.segments import orphans
 from ledger.store import Store
+
+if TYPE_CHECKING:  # imported where used: ``ledger verify`` needs none of them, and DuckDB,
+    # pyarrow's datasets and pandas (which the views import) take ~0.5 s to import
+    import duckdb
+
+    from ledger.audit.summary import Summary
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +123,10 @@ def check(
         ValueError: if a name is not in :data:`~ledger.audit.names.ALL_CHECKS`.
         CommitNotFound: if ``root`` holds no run, or ``head`` names no commit.
     """
+    from ledger.audit.mixture import check_mixture
+    from ledger.audit.summary import summarize
+    from ledger.audit.views import connect
+
     unknown = [n for n in names if n not in ALL_CHECKS]
     if unknown:
         raise ValueError(f"unknown check {unknown[0]!r}; the checks are {', '.join(ALL_CHECKS)}")
@@ -195,6 +196,8 @@ def loosest(store: Store, attempts: Sequence[int], config: dict) -> dict:
 def coverage(s: Summary) -> CheckResult:
     """The ``coverage`` check on a summary: every finished epoch
     (:func:`ledger.audit.summary.finished_epochs`) holds every sample, consumed or skipped."""
+    from ledger.audit.summary import finished_epochs, uncovered_epochs
+
     finished = finished_epochs(s)
     covered = {e.epoch: e for e in s.epochs}
     bad = uncovered_epochs(s)
