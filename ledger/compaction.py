@@ -901,8 +901,9 @@ def _write_files(
                     COMPACTED_SCHEMA,
                     compression="zstd",
                     use_dictionary=["kind", "source", "commit_id"],
-                    column_encoding=segments._DELTA,
                     write_statistics=True,
+                    # row groups of ROW_GROUP_ROWS rows: the byte-split ids' best case
+                    **segments.writer_options(target_rows),
                 )
                 rows = 0
             n = table.num_rows

@@ -204,7 +204,9 @@ def test_hf_style_dataset_with_getitems(root):
 
 def test_bytes_per_event_near_information_content(root):
     n = 1 << 16
-    loader = ledger.DataLoader(list(range(n)), batch_size=256, shuffle=True, log=root, rng="off")
+    loader = ledger.DataLoader(
+        list(range(n)), batch_size=256, shuffle=True, seed=0, log=root, rng="off"
+    )
     list(loader)
     loader.state_dict()
     size = sum(
@@ -212,9 +214,35 @@ def test_bytes_per_event_near_information_content(root):
         for d, _, fs in os.walk(os.path.join(root, "events"))
         for f in fs
     )
-    # 16 bits of information per shuffled id, plus each batch's digest (64 random hex
-    # characters per 256 events); the other columns are near-free.
-    assert size / n < 1.15 * np.log2(n) / 8 + 64 / 256
+    # 16 bits of information per shuffled id, plus each batch's digest (32 random bytes
+    # per 256 events); the other columns are near-free. Ids delta-encoded: 2.40 bytes.
+    assert size / n < 1.10 * np.log2(n) / 8 + 32 / 256
+
+
+def test_large_segments_store_sample_ids_as_byte_streams(root):
+    n = 100_000
+    loader = ledger.DataLoader(
+        list(range(n)), batch_size=256, shuffle=True, seed=0, log=root, rng="off"
+    )
+    for i, _ in enumerate(loader, start=1):
+        if i == 10:
+            loader.state_dict()  # a segment of 2,570 events: delta-encoded ids are smaller
+    loader.state_dict()  # 97,821 events
+    found = {}
+    for d, _, fs in os.walk(os.path.join(root, "events")):
+        for f in fs:
+            md = pq.ParquetFile(os.path.join(d, f)).metadata
+            ids = [md.row_group(g).column(6) for g in range(md.num_row_groups)]
+            assert {c.path_in_schema for c in ids} == {"sample_id"}
+            found[md.num_rows] = (
+                {e for c in ids for e in c.encodings} - {"RLE"},
+                sum(c.total_compressed_size for c in ids),
+            )
+    assert sorted(found) == [2570, 97821]
+    assert found[2570][0] == {"DELTA_BINARY_PACKED"}
+    assert found[97821][0] == {"BYTE_STREAM_SPLIT"}
+    # ~log2(N) bits per id (2.21 bytes here); delta-encoded, ~log2(2N) (2.29 bytes).
+    assert found[97821][1] / 97821 < 1.085 * np.log2(n) / 8
 
 
 def test_failed_commit_keeps_its_events_and_the_retry_loses_nothing(root, monkeypatch):

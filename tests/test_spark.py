@@ -15,6 +15,7 @@ import os
 import shutil
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import packed_stream
 from logfactory import LogFactory, batch, example_log
@@ -133,6 +134,44 @@ def test_resumed_compacted_run_with_uncommitted_batches(spark, tmp_path):
     assert_same(spark, root)
     # A lineage that ends inside a compacted file: only its commits' row groups count.
     assert_same(spark, root, "000000000002-0000", views=("lineage", "commits"), summary=False)
+
+
+def test_byte_split_sample_ids_read_as_duckdb_reads_them(spark, tmp_path):
+    """A segment of 2**16 samples stores ``sample_id`` as BYTE_STREAM_SPLIT
+    (:func:`ledger.segments.writer_options`), and so does its compaction: Spark decodes
+    each id, paired with its position, as DuckDB does."""
+    engine, session = spark
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(
+        list(range(1 << 16)), batch_size=256, shuffle=True, seed=0, log=root, rng="off"
+    )
+    list(loader)
+    loader.state_dict()
+    for _ in range(2):  # batches of epoch 1, each a segment: compaction leaves the newest
+        list(take(loader, 1))
+        loader.state_dict()
+    query = """SELECT kind, count(*), sum(sample_id), sum(sample_id * position),
+                      min(sample_id), max(sample_id)
+               FROM lineage GROUP BY kind ORDER BY kind"""
+
+    def split_and_answer() -> list[tuple]:
+        files = [os.path.join(d, f) for d, _, fs in os.walk(root + "/events") for f in fs]
+        big = [pq.ParquetFile(f).metadata for f in files if f.endswith(".parquet")]
+        (md,) = [m for m in big if m.num_rows >= 1 << 16]
+        assert "BYTE_STREAM_SPLIT" in md.row_group(0).column(6).encodings
+        con = connect(root)
+        try:
+            return con.sql(query).fetchall()
+        finally:
+            con.close()
+
+    want = split_and_answer()
+    (_, batches, *_), (_, samples, _, _, low, high) = want
+    assert (batches, samples - batches * 256, low, high) == (258, 0, 0, (1 << 16) - 1)
+    engine.register(session, root, None)
+    assert [tuple(r) for r in session.sql(query).collect()] == want
+    assert compact(root).segments == 2
+    assert split_and_answer() == want
 
 
 def test_packed_stream_with_two_workers(spark, tmp_path):

@@ -762,6 +762,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None, str |
         help="only the time-to-first-batch rows (table 2) and their goals",
     )
     p.add_argument(
+        "--bytes",
+        action="store_true",
+        help="only the bytes-per-event rows (table 3) and their goal",
+    )
+    p.add_argument(
         "--manifest",
         action="store_true",
         help="instead: only the manifest's share of a commit (table 6)",
@@ -772,7 +777,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None, str |
         help="instead: audit a log of 10^8 events (tools/bench_audit.py; --root DIR after it)",
     )
     a = p.parse_args(argv)
-    only = "stream" if a.stream else "ttfb" if a.ttfb else None
+    only = "stream" if a.stream else "ttfb" if a.ttfb else "bytes" if a.bytes else None
     cfg = Config(
         n=a.n or (200_000 if a.quick else 1_000_000),
         batch_size=a.batch_size,
@@ -805,6 +810,24 @@ def ttfb_only(cfg: Config, tmpdir: str | None, console: Console) -> None:
                   "yes" if ok else "[bold red]no[/]")  # fmt: skip
     console.print(t)
     console.print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+
+
+def bytes_only(cfg: Config, tmpdir: str | None, console: Console) -> None:
+    """The bytes-per-event rows alone, with their goal (the sizes do not depend on load)."""
+    roots = Roots(tmpdir)
+    try:
+        nbytes = bytes_per_event(cfg, roots)
+        bare = bytes_per_event(cfg, roots, digest=False)
+    finally:
+        roots.cleanup()
+    console.print(bytes_table(cfg, nbytes, bare))
+    r = nbytes["sizes"]["events/"] / nbytes["events"] / (math.log2(cfg.bytes_n) / 8)
+    t = Table(title="Goals (issue 11), bytes per event")
+    for col in ("goal", "measured", "target", "met"):
+        t.add_column(col, justify="left" if col == "goal" else "right")
+    t.add_row("bytes/event ratio to log2(N)/8, events/, digest on", f"{r:.3f}", "<= 1.10",
+              "yes" if r <= 1.10 else "[bold red]no[/]")  # fmt: skip
+    console.print(t)
 
 
 def stream_only(cfg: Config, tmpdir: str | None, console: Console) -> None:
@@ -850,6 +873,9 @@ def main(argv: list[str] | None = None) -> None:
         console = Console(width=120)
     if only == "stream":
         stream_only(cfg, tmpdir, console)
+        return
+    if only == "bytes":
+        bytes_only(cfg, tmpdir, console)
         return
     if only == "ttfb":
         console.print(f"load average at the start: {os.getloadavg()[0]:.2f}")
