@@ -331,7 +331,8 @@ def _lazily_in_loop(
     torch_saved, key, rnd_key = s.torch_bytes(), np_key_bytes(), rnd_bytes()
     # Drop the cached normal variates, so that a normal draw moves a key as any draw does.
     gauss = None
-    if s.has_gauss[0]:
+    words = s.gauss_words
+    if words[0] or words[1]:  # as mark_globals: any byte of the 16 not zero
         gauss = s.np_gauss.tobytes()
         s.np_gauss[:] = _NO_GAUSS
     rnd_gauss = owner.gauss_next

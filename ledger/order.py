@@ -660,7 +660,7 @@ class LoopStates:
     """
 
     __slots__ = (
-        "_np_owner", "_torch_owner", "has_gauss", "np_gauss", "np_key", "np_key_bytes", "rnd",
+        "_np_owner", "_torch_owner", "gauss_words", "np_gauss", "np_key", "np_key_bytes", "rnd",
         "rnd_bytes", "rnd_owner", "torch", "torch_bytes",
     )  # fmt: skip
 
@@ -671,7 +671,9 @@ class LoopStates:
         self.np_key = np_state._key
         self.np_key_bytes = self.np_key.tobytes
         self.np_gauss = np_state._gauss
-        self.has_gauss = self.np_gauss.cast("i")  # [0]: numpy's has_gauss
+        # [0]: has_gauss and its padding, [1]: the cached variate's bits; both 0 when no
+        # variate is cached and none was set (np.random.set_state may set one unused)
+        self.gauss_words = self.np_gauss.cast("q")
         self.rnd = rnd._raw
         self.rnd_bytes = self.rnd.tobytes
         self.rnd_owner: Any = rnd._owner  # its gauss_next is set and read

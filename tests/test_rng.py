@@ -378,3 +378,21 @@ def test_torch_layout_is_probed_without_reading_unmapped_memory():
     before = other.get_state()
     assert order._find_torch_state(other) is not None  # any CPU generator has the layout
     assert torch.equal(other.get_state(), before)  # and is left as it was
+
+
+@pytest.mark.parametrize("which", ["none", "numpy"])
+def test_zero_workers_give_back_numpys_state_exactly(tmp_path, monkeypatch, which):
+    """numpy's state as ``get_state`` reports it comes back bit for bit after each batch
+    at 0 workers, also a cached variate set without ``has_gauss`` (``set_state`` keeps
+    it), whether the dataset draws from numpy (its first batch loaded twice) or not."""
+    from ledger import fetch
+
+    monkeypatch.setattr(fetch, "_globals_drawn", False)
+    np.random.seed(2)
+    name, key, pos, _, _ = np.random.get_state()
+    np.random.set_state((name, key, pos, 0, 1.5))
+    loader = ledger.DataLoader(Draws(12, which), batch_size=4, log=str(tmp_path))
+    for _ in loader:
+        now = np.random.get_state()
+        assert np.array_equal(now[1], key) and now[2:] == (pos, 0, 1.5)
+    assert fetch._globals_drawn == (which == "numpy")
