@@ -12,6 +12,7 @@ README's table.
 Example:
     python tools/bench_zero_workers.py            # N = 200,000, best of 5 (under a minute)
     python tools/bench_zero_workers.py --n 1000000 --repeats 3
+    python tools/bench_zero_workers.py --encode-at-commit  # + a diagnostic row
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from rich.table import Table
 import ledger
 
 
-def _makers(n: int, batch_size: int) -> dict[str, Callable[[str], Any]]:
+def _makers(
+    n: int, batch_size: int, encode_at_commit: bool = False
+) -> dict[str, Callable[[str], Any]]:
     def torch_loader(_root: str) -> tud.DataLoader:
         g = torch.Generator()
         g.manual_seed(0)
@@ -47,11 +50,44 @@ def _makers(n: int, batch_size: int) -> dict[str, Callable[[str], Any]]:
 
         return make
 
-    return {
+    makers = {
         "torch DataLoader": torch_loader,
         "ledger (default: rng='batch', digest)": ledger_loader(),
         "ledger (rng='off', digest=False)": ledger_loader(rng="off", digest=False),
     }
+    if encode_at_commit:
+        makers["ledger (default), segment encoded at the commit"] = _at_commit(ledger_loader())
+    return makers
+
+
+def _at_commit(make: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``make``'s loader whose segment builder keeps the epoch's events and encodes them
+    all at the commit (``state_dict()``, on the training loop's thread) instead of a row
+    group at a time on its background thread: a diagnostic of what the background
+    encoding costs the loop's thread while the epoch runs (the GIL, the second core)."""
+    import ledger.log
+    from ledger.segments import SegmentBuilder
+
+    class KeepAll(SegmentBuilder):
+        def add(self, chunk: Any) -> None:
+            self._chunks.append(chunk)
+            self._rows += chunk.rows
+
+    class Loader:
+        def __init__(self, loader: Any) -> None:
+            self.loader = loader
+
+        def __iter__(self) -> Any:
+            ledger.log.SegmentBuilder = KeepAll  # type: ignore[misc]  # the epoch's builder
+            try:
+                yield from self.loader
+            finally:
+                ledger.log.SegmentBuilder = SegmentBuilder  # type: ignore[misc]
+
+        def state_dict(self) -> Any:
+            return self.loader.state_dict()
+
+    return lambda root: Loader(make(root))
 
 
 def _run(make: Callable[[str], Any]) -> tuple[float, float, float, int]:
@@ -75,8 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=200_000, help="dataset length")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--encode-at-commit",
+        action="store_true",
+        help="add a row whose segment is encoded at the commit, not on the background "
+        "thread during the epoch (what that thread costs the loop)",
+    )
     a = parser.parse_args(argv)
-    makers = _makers(a.n, a.batch_size)
+    makers = _makers(a.n, a.batch_size, a.encode_at_commit)
     for make in _makers(8 * a.batch_size, a.batch_size).values():
         _run(make)  # warm-up: lazy imports and first calls
     names = list(makers)
