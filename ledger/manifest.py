@@ -280,7 +280,7 @@ def files(store: Store, commits: Sequence[object]) -> Files:
     return Files(tuple(plain), compacted)
 
 
-def check(store: Store, commits: Sequence[object], threads: int = 8) -> list[str]:
+def check(store: Store, commits: Sequence[object], threads: int | None = None) -> list[str]:
     """Problems of the manifests and lineage ranges of ``commits`` (empty: none).
 
     Every marker naming a manifest must find it with the SHA-256 the marker names: the
@@ -298,7 +298,10 @@ def check(store: Store, commits: Sequence[object], threads: int = 8) -> list[str
     Args:
         store: the log's store.
         commits: the :class:`~ledger.commits.Commit` markers to check (a lineage or all).
-        threads: how many manifest files are read at once (object stores gain most).
+        threads: how many manifest files are read at once (default: 8 for an object
+            store, whose reads wait on the network; 1 for a local root, whose reads take
+            ~5 µs and whose threads only contend for the GIL: 10^4 manifests 0.19 s on
+            one thread against 0.52-0.78 s on 8 here).
 
     Returns:
         One sentence per problem, in commit order for the manifests.
@@ -326,7 +329,11 @@ def check(store: Store, commits: Sequence[object], threads: int = 8) -> list[str
         return [one(c) for c in chunk]
 
     problems: list[str] = []
-    if named:
+    if threads is None:
+        threads = 1 if store.is_local else 8
+    if named and threads == 1:
+        problems.extend(p for p in some(named) if p is not None)
+    elif named:
         # A few dozen files per task: a future per file costs about what reading a small
         # local file does.
         chunks = [named[i : i + 32] for i in range(0, len(named), 32)]
