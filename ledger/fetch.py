@@ -230,18 +230,12 @@ def load_in_loop(
         Exception: whatever the dataset or ``collate`` raised.
     """
     id_list = ids.tolist()
-    states = None if _globals_drawn else loop_states()
-    if states is None:
-        return load_batch(
-            dataset, ids, seed=0, epoch=0, position=0, rng="batch", main_process=True,
-            skip_errors=False, collate=collate, known_seed=seed,
-        )[2]  # fmt: skip
 
     def block(reseed: Callable[[], Any] | None) -> Any:
         samples = [dataset[i] for i in id_list]
         return collate(samples) if samples else None
 
-    return _lazily_in_loop(block, seed, states)
+    return seeded_lazily(block, seed, True)
 
 
 _T = TypeVar("_T")
@@ -383,10 +377,10 @@ def _fetch(
         except Exception:
             if not skip_errors:
                 raise
-    elif not skip_errors:  # torch's own fetch: a sample that raises stops the batch
-        return [dataset[sid] for sid in id_list], []
         if reseed is not None:  # the per-sample retry draws as if it came first
             reseed()
+    elif not skip_errors:  # torch's own fetch: a sample that raises stops the batch
+        return [dataset[sid] for sid in id_list], []
     samples: list[Any] = []
     failures: list[Failure] = []
     for i, sid in enumerate(id_list):

@@ -74,6 +74,19 @@ def test_bad_samples_are_left_out_and_logged(root, workers, dataset):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+def test_a_failed_getitems_is_retried_under_the_batch_seed(tmp_path, workers):
+    """A batched ``__getitems__`` that raises is retried one sample at a time after
+    re-seeding as before the batched call: the good samples draw what they draw without
+    ``__getitems__`` (the per-sample fetch), not what follows the failed call's draws."""
+    plain = list(take(_loader(str(tmp_path / "a"), Flaky(), num_workers=workers), 6))
+    batched = list(take(_loader(str(tmp_path / "b"), FlakyBatched(), num_workers=workers), 6))
+    assert any(len(b["id"]) < B for b in plain)  # some batch held a bad sample
+    assert len(plain) == len(batched) == 6
+    for p, q in zip(plain, batched, strict=True):
+        assert batches_equal(p, q)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
 def test_resume_is_exact_with_bad_samples(tmp_path, workers):
     root = str(tmp_path / "log")
     checked = assert_resume_exact(
