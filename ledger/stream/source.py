@@ -266,13 +266,14 @@ class ShardedSource:
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
         ipc = sink.getvalue()
+        found = _ROW_GROUP_HASHES[ROW_GROUP_HASH](ipc).hexdigest()
         key = (shard, g)
         known = self._known.get(key)
         if known is None:
-            known = self._recorded(store, shard, g, ipc)
-            self._known[key] = known
+            known = self._known[key] = self._recorded(store, shard, g, found)
         algorithm, recorded = known
-        found = _ROW_GROUP_HASHES[algorithm](ipc).hexdigest()
+        if algorithm != ROW_GROUP_HASH:  # a run begun before ROW_GROUP_HASH
+            found = _ROW_GROUP_HASHES[algorithm](ipc).hexdigest()
         if recorded != found:
             path = self._files.paths[shard]
             raise ConfigMismatch(
@@ -284,16 +285,15 @@ class ShardedSource:
                 "file, or start a new run under a new log root.",
             )
 
-    def _recorded(self, store: Store, shard: int, g: int, ipc: pa.Buffer) -> tuple[str, str]:
-        """``(algorithm, hex digest)`` the run recorded for a row group; records it (with
-        :data:`ROW_GROUP_HASH`) if this is the run's first read of it."""
+    def _recorded(self, store: Store, shard: int, g: int, found: str) -> tuple[str, str]:
+        """``(algorithm, hex digest)`` the run recorded for a row group; records ``found``
+        (its :data:`ROW_GROUP_HASH` digest) if this is the run's first read of it."""
         base = f"{self._digests_under}/shard={shard}/{g}"
         for algorithm in _ROW_GROUP_HASHES:  # the current one, then the older one
             try:
                 return algorithm, _text(store.read_bytes(f"{base}.{algorithm}"))
             except FileNotFoundError:
                 continue
-        found = _ROW_GROUP_HASHES[ROW_GROUP_HASH](ipc).hexdigest()
         try:
             store.create_exclusive(f"{base}.{ROW_GROUP_HASH}", found.encode(), durable=False)
             return ROW_GROUP_HASH, found
