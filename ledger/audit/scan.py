@@ -718,7 +718,8 @@ def read_verified(
         store: the log root.
         refs: the segments, as their markers name them.
         columns: event columns to decode.
-        threads: files read ahead at once (default 4).
+        threads: files read ahead at once (default: as :func:`scan_segments`, 4 for an
+            object store, at most the CPUs the process may run on for a local root).
         match: ``(column, value)``: only rows whose ``column`` equals ``value`` are
             returned; a row group is decoded whole only if that column holds the value.
 
@@ -727,7 +728,7 @@ def read_verified(
             not a readable segment.
     """
     want = pa.schema([EVENT_SCHEMA.field(c) for c in columns])
-    ahead = max(1, threads or 4)
+    ahead = max(1, threads or _default_threads(store))
     placed = pieces(store)
     compacted = _CompactedFiles(store)
 
