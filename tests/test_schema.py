@@ -122,3 +122,16 @@ def test_batch_row_follows_its_samples():
     assert [r["sample_id"] for r in rows] == [7, 3, 9, -1]
     assert [r["digest"] for r in rows] == [None, None, None, b"\x01" * 32]
     assert set(KINDS) >= {r["kind"] for r in rows}
+
+
+def test_map_style_row_group_equals_reference():
+    # Every chunk the same size with a digest: the layout a map-style segment's row groups
+    # take (a grid of rows, not a scatter), with a batch that changes epoch and worker.
+    rng = np.random.default_rng(5)
+    chunks = [
+        EventChunk(SAMPLE, b // 3, b, b % 2, 4 * b, rng.integers(0, 100, 4), digest=bytes([b]) * 32)
+        for b in range(7)
+    ]
+    table = chunks_to_table(chunks, 2, 1)
+    assert table.schema == EVENT_SCHEMA
+    assert table.to_pylist() == reference_rows(chunks, 2, 1)
