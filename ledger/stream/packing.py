@@ -285,9 +285,10 @@ def assemble(
     # ceil(tokens / seq_len) sequences: laid out in place, no per-sequence arrays.
     total = sum(end - start for start, end, _ in spans)
     rows = -(-total // seq_len)
-    out_tokens = np.full((rows, seq_len), packer.pad_id, np.int64)
-    owners = np.full((rows, seq_len), -1, np.int64)
-    flat_tokens, flat_owners = out_tokens.reshape(-1), owners.reshape(-1)
+    both = _int64_pair(rows, seq_len)
+    flat_tokens, flat_owners = both.numpy().reshape(2, -1)
+    flat_tokens[total:] = packer.pad_id  # the padding of a short last sequence
+    flat_owners[total:] = -1
     at = 0  # tokens laid out so far
     for sid, (start, end, length) in zip(ids, spans, strict=True):
         doc = tokens(sid)
@@ -306,4 +307,18 @@ def assemble(
         flat_tokens[at : at + take] = doc[start:end]
         flat_owners[at : at + take] = sid
         at += take
-    return {"tokens": torch.from_numpy(out_tokens), "sample_ids": torch.from_numpy(owners)}
+    return {"tokens": both[0], "sample_ids": both[1]}
+
+
+def _int64_pair(rows: int, seq_len: int) -> torch.Tensor:
+    """An uninitialised ``int64 (2, rows, seq_len)`` tensor: a packed batch's tokens and
+    owners in one buffer, so that a worker sends the batch to the main process as one
+    block of shared memory, not two (sharing and mapping one costs ~0.6 ms).
+
+    In a DataLoader worker it is allocated in shared memory from the start, as torch's
+    ``default_collate`` does, so sending it copies nothing.
+    """
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty((2, rows, seq_len), dtype=torch.int64)
+    storage = torch.UntypedStorage._new_shared(2 * rows * seq_len * 8)
+    return torch.empty(0, dtype=torch.int64).set_(storage).view(2, rows, seq_len)
