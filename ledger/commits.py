@@ -36,7 +36,7 @@ from ledger.errors import (
 from ledger.ranks import RankTable, SegmentRef
 from ledger.schema import READABLE_VERSIONS, SCHEMA_VERSION
 from ledger.store import Store, sha256
-from ledger.validate import items, obj, relative_path, require, sha256_hex
+from ledger.validate import INT64_MAX, items, obj, relative_path, require, sha256_hex
 
 RUN_FILE = "run.json"
 
@@ -318,9 +318,14 @@ def find_run(store: Store) -> dict[str, Any] | None:
     require(run, "created_at", str, where)
     config = require(run, "config", dict, where)
     for key, kind in _RUN_CONFIG.items():
-        require(config, key, kind, f"{where}, config", default=None, nullable=True)
+        # A seed is any integer torch.manual_seed takes: up to 2**64 - 1.
+        top = SEED_MAX if key == "seed" else INT64_MAX
+        require(config, key, kind, f"{where}, config", default=None, nullable=True, maximum=top)
     return run
 
+
+SEED_MAX = (1 << 64) - 1
+"""The largest seed a run may have (``torch.manual_seed``'s); the smallest is -2**63."""
 
 # Config keys readers rely on, with their types (checked when present).
 _RUN_CONFIG: dict[str, type | tuple[type, ...]] = {
@@ -1016,11 +1021,11 @@ def _v2_fields(data: dict[str, Any], cid: str) -> _Fields | None:
         if not (
             data["id"] == cid
             and type(step) is int
-            and step >= 0
+            and 0 <= step <= INT64_MAX
             and type(attempt) is int
-            and attempt >= 0
+            and 0 <= attempt <= INT64_MAX
             and type(world) is int
-            and world >= 1
+            and 1 <= world <= INT64_MAX
             and (parent is None or type(parent) is str)
             and type(created) is str
             and type(ref) is dict
@@ -1040,6 +1045,8 @@ def _v2_fields(data: dict[str, Any], cid: str) -> _Fields | None:
             and len(shape) == 2
             and type(shape[0]) is int
             and type(shape[1]) is int
+            and 0 <= shape[0] <= INT64_MAX
+            and 0 <= shape[1] <= INT64_MAX
             and ref["encoding"] == ranks_mod.ENCODING
         ):
             return None
@@ -1077,7 +1084,7 @@ def _v2_fields_checked(data: dict[str, Any], cid: str, where: str) -> _Fields:
     path = relative_path(ref, "path", inner)
     digest = sha256_hex(ref, "sha256", inner)
     shape = items(ref, "shape", inner)
-    if len(shape) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in shape):
+    if len(shape) != 2 or not all(_is_int(x) and 0 <= x <= INT64_MAX for x in shape):
         raise LogCorrupted(f"{inner}: 'shape' is {shape!r}, not two integers")
     if require(ref, "encoding", str, inner) != ranks_mod.ENCODING:
         raise LogCorrupted(f"{inner}: encoding {ref['encoding']!r} is not {ranks_mod.ENCODING!r}")
@@ -1112,7 +1119,7 @@ def _usual_fields(data: dict[str, Any], cid: str) -> dict[str, Any] | None:
             a, b, c = r
             if not (type(a) is int and type(b) is int and type(c) is int):
                 return None
-            if a < 0 or b < 0 or c < 0:
+            if not (0 <= a <= INT64_MAX and 0 <= b <= INT64_MAX and 0 <= c <= INT64_MAX):
                 return None
             ranges.append((a, b, c))
         extra["lineage"] = tuple(ranges)
@@ -1142,7 +1149,11 @@ def _extra_fields_checked(data: dict[str, Any], cid: str, where: str) -> dict[st
     if "lineage" in data:
         ranges = []
         for r in items(data, "lineage", where):
-            if not (isinstance(r, list) and len(r) == 3 and all(_is_int(v) and v >= 0 for v in r)):
+            if not (
+                isinstance(r, list)
+                and len(r) == 3
+                and all(_is_int(v) and 0 <= v <= INT64_MAX for v in r)
+            ):
                 raise LogCorrupted(f"{where}: field 'lineage' holds {r!r}, not 3 integers")
             ranges.append((r[0], r[1], r[2]))
         if not ranges:

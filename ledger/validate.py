@@ -18,6 +18,9 @@ from ledger.errors import LedgerError, LogCorrupted
 T = TypeVar("T")
 _MISSING: Any = dataclasses.MISSING  # a dataclass field's default passes through as 'none'
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+INT64_MAX = (1 << 63) - 1
+"""The largest integer a field may hold by default: the log's integers are Arrow int64
+(the views, the rank tables), so a larger one is damage, not a value to convert."""
 
 _NAMES = {int: "an integer", str: "a string", bool: "a boolean", dict: "an object", list: "a list"}
 
@@ -49,6 +52,7 @@ def require(
     *,
     default: Any = _MISSING,
     minimum: int | None = None,
+    maximum: int = INT64_MAX,
     nullable: bool = False,
     error: type[LedgerError] = LogCorrupted,
 ) -> Any:
@@ -61,6 +65,7 @@ def require(
         where: the file (or token) being read, for the message.
         default: returned when ``key`` is absent (without it, absence is an error).
         minimum: for integers, the smallest accepted value.
+        maximum: for integers, the largest accepted value (default: int64's).
         nullable: ``None`` is accepted.
         error: the error type raised (:class:`LogCorrupted` for files of the log).
 
@@ -75,8 +80,10 @@ def require(
         # history 10^4 markers): a present value of exactly the type (``type(True)`` is
         # not ``int``) and in range; anything else takes the detailed path below.
         value: Any = d.get(key, _MISSING)
-        exact = type(value) is kind
-        if exact and (minimum is None or value >= minimum):
+        exact = type(value) is kind  # a variable: no narrowing of ``value`` to object
+        if exact and (
+            kind is not int or ((minimum is None or value >= minimum) and value <= maximum)
+        ):
             return value
     d = obj(d, where, error)
     if key not in d:
@@ -91,8 +98,11 @@ def require(
             f"{where}: field {key!r} is {_short(value)} ({type(value).__name__}), expected "
             f"{_kind_name(kind)}{' or null' if nullable else ''}"
         )
-    if minimum is not None and isinstance(value, int) and value < minimum:
-        raise error(f"{where}: field {key!r} is {value}, expected at least {minimum}")
+    if isinstance(value, int) and not isinstance(value, bool):
+        if minimum is not None and value < minimum:
+            raise error(f"{where}: field {key!r} is {value}, expected at least {minimum}")
+        if value > maximum:
+            raise error(f"{where}: field {key!r} is {_short(value)}, expected at most {maximum}")
     return value
 
 

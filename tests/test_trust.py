@@ -513,3 +513,60 @@ def test_verify_names_a_segment_of_another_attempt_or_rank(pristine):
             assert isinstance(found, pa.Table) and found.num_rows == rows
         else:
             assert found == problem
+
+
+def _set(root: str, rel: str, keys: tuple, value: object) -> None:
+    path = Path(root, rel)
+    doc = json.loads(path.read_text())
+    node = doc
+    for key in keys[:-1]:
+        node = node[key]
+    node[keys[-1]] = value
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("rel", "keys", "value"),
+    [
+        ("attempts/0000.json", ("pid",), 2**70),
+        ("commits/000000000004-0000.json", ("world_size",), 2**63),
+        ("run.json", ("config", "seed"), 2**64),
+    ],
+)
+def test_an_integer_beyond_int64_is_named_not_an_overflow(pristine, tmp_path, rel, keys, value):
+    """The log's integers are int64 (seeds: up to 2**64 - 1, as torch.manual_seed takes):
+    a larger one is damage named with its file and field, not an OverflowError."""
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    _set(root, rel, keys, value)
+    audit = _cli("audit", root)
+    assert audit.exit_code == 1, audit.output
+    assert f"{rel}" in audit.stderr and f"field '{keys[-1]}' is {value}, expected at most" in (
+        audit.stderr
+    ), audit.stderr
+    verified = _cli("verify", root, "--format", "csv")
+    assert verified.exit_code == 3 and "expected at most" in verified.output, verified.output
+
+
+def test_verify_names_an_attempt_whose_parent_is_no_commit(pristine, tmp_path):
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    _set(root, "attempts/0000.json", ("parent",), "000000000099-0000")
+    result = _cli("verify", root, "--format", "csv")
+    assert result.exit_code == 3, result.output
+    assert "0000.json: field 'parent' is '000000000099-0000', which no commit" in result.output
+
+
+def test_an_attempt_record_without_its_start_time_still_reports(pristine, tmp_path):
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    loader = ledger.DataLoader(Augmented(N), batch_size=BATCH, shuffle=True, seed=3, log=root)
+    loader.load_state_dict(
+        {"version": 1, "root": root, "run_id": _run_id(root), "commit": "000000000002-0000",
+         "attempt": 0, "world_size": 1, "step": 2}
+    )  # fmt: skip
+    list(take(loader, 1))
+    loader.state_dict()  # attempt 1, resumed from commit 2: the report draws its start
+    _set(root, "attempts/0001.json", ("created_at",), None)
+    result = _cli("report", root, "--out", str(tmp_path / "r.html"))
+    assert result.exit_code == 0, result.output

@@ -19,6 +19,7 @@ from ledger import manifest
 from ledger.audit.names import ALL_CHECKS, CHECKS
 from ledger.audit.scan import Progress, ScanResult, scan_segments, segment_jobs
 from ledger.commits import (
+    ATTEMPT_NAME,
     Commit,
     default_head,
     lineage,
@@ -348,10 +349,31 @@ class Verification:
 
 
 @parsing_once
+def _check_attempts(store: Store, ids: set[str]) -> None:
+    """Every attempt record parses and names as its parent a commit that has a marker.
+
+    Raises:
+        LogCorrupted: naming the record and the field.
+    """
+    for name in store.ls("attempts"):
+        if not ATTEMPT_NAME.match(name):
+            continue  # a stray file, ignored by every reader
+        try:
+            parent = read_attempt(store, name)["parent"]
+        except FileNotFoundError:
+            continue  # removed since the listing
+        if parent is not None and parent not in ids:
+            raise LogCorrupted(
+                f"{store.full(f'attempts/{name}')}: field 'parent' is {parent!r}, which no "
+                "commit marker is: the attempt resumed from a commit the log no longer has"
+            )
+
+
 def verify(root: str, progress: Progress | None = None) -> Verification:
     """Check the log's integrity: markers, commit chain, every segment, duplicates.
 
-    - ``markers``: every commit marker and ``run.json`` parse.
+    - ``markers``: every commit marker, attempt record and ``run.json`` parse, and each
+      attempt's parent is a commit of the log.
     - ``chain``: every parent exists, no chain loops, a child's step is not below its
       parent's, every rank of the world size has a state.
     - ``segments``: every segment a marker names exists, has the marker's size, SHA-256
@@ -379,6 +401,7 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
     try:
         config = read_run(store)["config"]
         commits = list_commits(store, catalog=False)  # the markers themselves
+        _check_attempts(store, {c.id for c in commits})
         differ = _differ_from_catalog(store, commits)
     except LogCorrupted as e:
         return Verification((CheckResult("markers", False, str(e)),), 0, 0, 0)

@@ -306,8 +306,8 @@ def _clock(
     # An attempt starts at its parent's step: its line begins at (start time, that step).
     for a, began, step in con.execute(
         "SELECT a.attempt, a.created_at, c.step FROM attempts AS a JOIN commits AS c "
-        "ON c.commit_id = a.parent WHERE a.attempt IN (SELECT attempt FROM commits "
-        "WHERE in_lineage) ORDER BY 1"
+        "ON c.commit_id = a.parent WHERE a.created_at IS NOT NULL AND a.attempt IN "
+        "(SELECT attempt FROM commits WHERE in_lineage) ORDER BY 1"  # a record may lack it
     ).fetchall():
         commits.append((began, int(step), int(a), True))
     commits.sort(key=lambda c: (c[0], c[1]))

@@ -67,8 +67,8 @@ path VARCHAR, uncommitted_batches BIGINT, unreadable BIGINT (damaged records ski
 their checksum or fields did not check).
 
 ``run``: one row from ``run.json``: run_id VARCHAR, created_at TIMESTAMP (UTC),
-dataset_len BIGINT, seed BIGINT, shuffle BOOLEAN, batch_size BIGINT, drop_last BOOLEAN,
-world_size INTEGER, "order" VARCHAR.
+dataset_len BIGINT, seed BIGINT (a seed of 2**63 or more as its int64 bits), shuffle BOOLEAN,
+batch_size BIGINT, drop_last BOOLEAN, world_size INTEGER, "order" VARCHAR.
 
 Confinement: segments are scanned through an Arrow dataset over the exact files the
 markers name, registered before the connection is locked; then
@@ -652,6 +652,8 @@ def _run_table(run: dict[str, Any]) -> pa.Table:
         "created_at": _timestamp(run.get("created_at"), "run.json"),
         **{key: config.get(key) for key in _RUN_SCHEMA.names[2:]},
     }
+    if isinstance(row["seed"], int) and row["seed"] > (1 << 63) - 1:
+        row["seed"] -= 1 << 64  # BIGINT: a seed of 2**63 or more shows as its int64 bits
     return _table([row], _RUN_SCHEMA)
 
 
