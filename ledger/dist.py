@@ -13,6 +13,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ledger.errors import UnsupportedArgument
+
 
 class Group:
     """The ranks that share one log.
@@ -22,6 +24,10 @@ class Group:
         world_size: number of ranks.
         group: the process group (default: the world group); needed when
             ``world_size > 1``.
+
+    Raises:
+        UnsupportedArgument: if ``world_size > 1`` and torch.distributed is not
+            initialised.
     """
 
     def __init__(self, rank: int, world_size: int, group: Any = None) -> None:
@@ -29,7 +35,7 @@ class Group:
         self.world_size = world_size
         self.group = group
         if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
+            raise UnsupportedArgument(
                 f"world_size={world_size} needs torch.distributed to be initialised "
                 "(init_process_group) before the log is used"
             )

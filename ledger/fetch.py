@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from ledger.commits import upgrade_config
+from ledger.errors import UnsupportedArgument
 from ledger.order import (
     _NO_GAUSS,
     LoopStates,
@@ -79,10 +80,10 @@ def check_on_error(on_error: Any) -> OnError:
     """Validate an ``on_error`` argument.
 
     Raises:
-        ValueError: if it is not ``"raise"`` or ``"skip"``.
+        UnsupportedArgument: if it is not ``"raise"`` or ``"skip"``.
     """
     if on_error not in ON_ERROR:
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        raise UnsupportedArgument(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     return on_error
 
 
@@ -90,10 +91,12 @@ def check_rng(rng: Any) -> RngMode:
     """Validate an ``rng`` argument.
 
     Raises:
-        ValueError: if it is not one of :data:`RNG_MODES`.
+        UnsupportedArgument: if it is not one of :data:`RNG_MODES`.
     """
     if rng not in RNG_MODES:
-        raise ValueError(f"rng must be one of {', '.join(map(repr, RNG_MODES))}, got {rng!r}")
+        raise UnsupportedArgument(
+            f"rng must be one of {', '.join(map(repr, RNG_MODES))}, got {rng!r}"
+        )
     return rng
 
 

@@ -32,6 +32,7 @@ from ledger.errors import (
     LedgerError,
     SourceMissing,
     TokenError,
+    UnsupportedArgument,
     WrongRoot,
 )
 from ledger.fetch import RngMode, check_on_error, check_rng
@@ -190,8 +191,10 @@ class DataLoader:
 
     Raises:
         UnsupportedArgument: (a ``ValueError``) for an argument ledger cannot honour
-            exactly; the message says what to pass instead.
-        ValueError: if ``rng`` or ``on_error`` is unknown, or an epoch would hold no batch.
+            exactly (the message says what to pass instead), or a bad one: ``rng`` or
+            ``on_error`` unknown, ``seed`` not an integer in [-2**63, 2**64), ``rank``
+            outside ``world_size``, ``log`` not a path, URI or Ledger, a dataset whose
+            ``len()`` fails, an epoch that would hold no batch.
 
     Note:
         Use it as a context manager, or call :meth:`close`, in long-lived processes
@@ -254,6 +257,20 @@ class DataLoader:
             rank = rank if rank is not None else (dist.get_rank() if active else 0)
             world_size = (
                 world_size if world_size is not None else (dist.get_world_size() if active else 1)
+            )
+        rank, world_size = (
+            torch_args.count("rank", rank, 0),
+            torch_args.count("world_size", world_size, 1),
+        )
+        if rank >= world_size:
+            raise UnsupportedArgument(
+                f"rank={rank} is outside world_size={world_size}: pass 0 <= rank < world_size"
+            )
+        num_workers = torch_args.count("num_workers", num_workers, 0)
+        if not isinstance(log, (str, os.PathLike, Ledger)):
+            raise UnsupportedArgument(
+                f"log must be the log root (a path or URI such as s3://bucket/run) or a "
+                f"ledger.Ledger, got {type(log).__name__}"
             )
         self.dataset = dataset
         self.batch_size = batch_size

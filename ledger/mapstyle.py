@@ -33,7 +33,7 @@ import torch.utils.data as tud
 
 from ledger.commits import Commit, PipelineState
 from ledger.digest import digest_bytes
-from ledger.errors import LedgerError, SampleError
+from ledger.errors import LedgerError, SampleError, UnsupportedArgument
 from ledger.fetch import Failure, RngMode, batch_getter, load_batch, load_in_loop
 from ledger.order import BatchPlan, EpochOrder, batch_seeds
 from ledger.pipeline import PHASE_BATCHING, LoaderSettings, in_process, phase_record
@@ -267,6 +267,18 @@ class _CheckAhead:
         return self.order.range(start, stop)
 
 
+def dataset_len(dataset: Any) -> int:
+    """``len(dataset)``, or an :class:`UnsupportedArgument` saying what ``__len__`` gave
+    (Python's own error for a negative or non-integer length names no dataset)."""
+    try:
+        return len(dataset)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise UnsupportedArgument(
+            f"len() of the dataset ({type(dataset).__name__}) failed: {e}; a map-style "
+            "dataset's __len__ returns its number of samples, an int >= 0"
+        ) from e
+
+
 class MapPipeline:
     """A map-style dataset's pipeline (:class:`ledger.pipeline.Pipeline`).
 
@@ -288,12 +300,12 @@ class MapPipeline:
     def __init__(self, dataset: MapDataset, settings: LoaderSettings) -> None:
         self.dataset = dataset
         self.settings = settings
-        n = len(dataset)
+        n = dataset_len(dataset)
         self.plan = BatchPlan(
             n, settings.batch_size, settings.drop_last, settings.rank, settings.world_size
         )
         if self.plan.batches_per_epoch == 0:
-            raise ValueError(
+            raise UnsupportedArgument(
                 f"an epoch of {n} samples holds no batch of {settings.batch_size} samples on "
                 f"{settings.world_size} rank(s) with drop_last={settings.drop_last}"
             )

@@ -13,6 +13,7 @@ sentence saying what ledger does instead.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,35 @@ def _generator_seed(generator: Any, what: str) -> int:
         )
     # The seed it was created or manual_seed()-ed with; ledger draws nothing from it.
     return int(generator.initial_seed()) & _SEED_MASK
+
+
+def _seed(seed: Any) -> int:
+    """``seed`` as an int, if it is an integer torch.manual_seed takes (numpy integers
+    too); a float or string would otherwise be truncated or parsed without a word."""
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        value = None
+    if value is None or isinstance(seed, bool) or not -(1 << 63) <= value < 1 << 64:
+        raise UnsupportedArgument(
+            f"seed must be an integer in [-2**63, 2**64), got {seed!r} ({type(seed).__name__})"
+        )
+    return value
+
+
+def count(name: str, value: Any, low: int) -> int:
+    """``value`` as an int, if it is an integer >= ``low`` (numpy integers too).
+
+    Raises:
+        UnsupportedArgument: naming ``name`` and the value, otherwise.
+    """
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or number < low:
+        raise UnsupportedArgument(f"{name} must be an int >= {low}, got {value!r}")
+    return number
 
 
 def _check_dataset(dataset: Any) -> None:
@@ -186,7 +216,7 @@ def resolve(
         rank = rank if rank is not None else sampler_rank
         world_size = world_size if world_size is not None else sampler_world
     sources = {
-        "seed": None if seed is None else int(seed),
+        "seed": None if seed is None else _seed(seed),
         "generator": None if generator is None else _generator_seed(generator, "generator"),
         "the sampler's seed": sampler_seed,
     }

@@ -22,6 +22,7 @@ from ledger.errors import (
     ResumeMismatch,
     StorageError,
     TokenError,
+    UnsupportedArgument,
     WrongRoot,
 )
 from ledger.store import Store
@@ -124,8 +125,61 @@ def test_changed_order_is_caught_by_verification_not_config(root, monkeypatch):
 
 
 def test_empty_epoch_configuration_is_refused(root):
-    with pytest.raises(ValueError, match="holds no batch"):
+    with pytest.raises(UnsupportedArgument, match="holds no batch"):
         ledger.DataLoader(Augmented(3), batch_size=4, drop_last=True, log=root)
+
+
+class _Len:
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"seed": 1.5}, r"seed must be an integer in \[-2\*\*63, 2\*\*64\), got 1\.5"),
+        ({"seed": "3"}, "seed must be an integer"),
+        ({"seed": 2**64}, "seed must be an integer"),
+        ({"rank": 2, "world_size": 2}, "rank=2 is outside world_size=2"),
+        ({"rank": -1}, "rank must be an int >= 0, got -1"),
+        ({"world_size": 0}, "world_size must be an int >= 1, got 0"),
+        ({"world_size": 2}, "needs torch.distributed to be initialised"),
+        ({"num_workers": 1.5}, "num_workers must be an int >= 0, got 1.5"),
+        ({"log": None}, "log must be the log root .* got NoneType"),
+        ({"rng": "bogus"}, "rng must be one of"),
+        ({"on_error": ["skip"]}, "on_error must be 'raise' or 'skip'"),
+        ({"dataset": _Len(-1)}, r"len\(\) of the dataset \(_Len\) failed: __len__\(\) should"),
+        ({"dataset": _Len(2.5)}, r"len\(\) of the dataset \(_Len\) failed"),
+        ({"dataset": _Len(0)}, "an epoch of 0 samples holds no batch"),
+    ],
+)
+def test_a_bad_argument_is_refused_at_construction(root, kwargs, match):
+    """Hostile arguments are an UnsupportedArgument (a ValueError) naming the argument,
+    raised by the constructor, not a TypeError or OverflowError from deep inside torch."""
+    args = {"dataset": Augmented(8), "batch_size": 2, "seed": 0, "log": root, **kwargs}
+    with pytest.raises(UnsupportedArgument, match=match):
+        ledger.DataLoader(args.pop("dataset"), **args)
+
+
+def test_a_seed_of_2_63_or_more_resumes_and_audits(root):
+    """torch.manual_seed takes seeds up to 2**64 - 1: such a run resumes, and the run view
+    (BIGINT) shows the seed's int64 bits instead of failing the audit."""
+    token = _token(root, seed=2**64 - 1)
+    resumed = ledger.DataLoader(
+        Augmented(20), batch_size=4, shuffle=True, seed=2**64 - 1, drop_last=False, log=root
+    )
+    resumed.load_state_dict(token)
+    assert len(list(take(resumed, 1))) == 1
+    result = CliRunner().invoke(
+        main, ["audit", root, "--sql", "SELECT seed FROM run", "--format", "csv"]
+    )
+    assert result.exit_code == 0 and result.output == "seed\n-1\n", result.output
 
 
 def test_token_loads_with_weights_only(root, tmp_path):

@@ -21,7 +21,7 @@ import numpy as np
 import torch.utils.data as tud
 
 from ledger.commits import Commit, PipelineState, WorkerState, read_commit
-from ledger.errors import LedgerError
+from ledger.errors import LedgerError, UnsupportedArgument
 from ledger.order import BatchPlan
 from ledger.pipeline import LoaderSettings, in_process, phase_record
 from ledger.replay import read_buffers, replay_stream
@@ -70,14 +70,16 @@ class StreamPipeline:
 
     def __init__(self, stream: Stream, settings: LoaderSettings) -> None:
         if settings.drop_last or settings.persistent_workers:
-            raise ValueError(
+            raise UnsupportedArgument(
                 "a Stream serves every sample (drop_last=False) and needs fresh workers "
                 "each epoch (persistent_workers=False)"
             )
         n = stream.source.num_rows
         plan = BatchPlan(n, settings.batch_size, False, settings.rank, settings.world_size)
         if plan.batches_per_epoch == 0:
-            raise ValueError(f"an epoch of the stream holds no batch: its source has {n} rows")
+            raise UnsupportedArgument(
+                f"an epoch of the stream holds no batch: its source has {n} rows"
+            )
         self.dataset = stream
         self.stream = stream
         self.settings = settings
