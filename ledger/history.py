@@ -317,8 +317,8 @@ _COMMIT_ID = COMMIT_NAME.pattern.replace(r"\.json$", "$")
 
 def _marker_names(names: list[str]) -> pa.Array:
     """The names ending in ``.json`` among ``names``, without it, in their order, by
-    Arrow's string kernels over all of them at once (10^4 commits: 2·10^4 names in
-    ``commits/``, half of them rank tables)."""
+    Arrow's string kernels over all of them at once (10^4 commits: 10^4 names in
+    ``commits/``; 2·10^4 in logs written before rank tables moved to ``ranks/``)."""
     listed = pa.array(names, pa.string())
     markers = listed.filter(pc.ends_with(listed, ".json"))
     return pc.utf8_slice_codeunits(markers, 0, -len(".json"))

@@ -1,11 +1,12 @@
 """The per-rank table of a commit: each rank's state, new segment and newest segment.
 
 A version-2 commit marker is a small JSON file naming a binary file,
-``commits/<id>.ranks``, with one row of integers per rank (layout below): the rank's
-:class:`~ledger.commits.PipelineState` after the commit, the segment it wrote at the
-commit (if any) and the *newest* segment of the rank in the lineage, carried forward
-from the parent's table when the rank wrote none. Resume thus reads the head marker,
-its table and one segment per rank, whatever the length of the history.
+``ranks/<id>.ranks`` (``commits/<id>.ranks`` in logs written before), with one row of
+integers per rank (layout below): the rank's :class:`~ledger.commits.PipelineState`
+after the commit, the segment it wrote at the commit (if any) and the *newest* segment
+of the rank in the lineage, carried forward from the parent's table when the rank wrote
+none. Resume thus reads the head marker, its table and one segment per rank, whatever
+the length of the history.
 
 The rows are exactly what each rank sends rank 0 at a collective commit (:func:`pack`),
 so rank 0 assembles the table with numpy, with no Python object per rank

@@ -230,7 +230,7 @@ class Store:
         Args:
             rel_dir: the folder, relative to the root.
             ordered: ``False``: in the order the storage lists them (a caller that sorts
-                what it keeps saves sorting 2·10^4 names of ``commits/``).
+                what it keeps saves sorting the 10^4 names of ``commits/``).
 
         Raises:
             StorageError: if listing fails.

@@ -164,6 +164,40 @@ def test_a_compaction_before_an_older_commit_and_then_the_rest(tmp_path, pristin
     assert [c.id for c in list_compactions(Store(root))] == [first.id, second.id]
 
 
+def test_a_log_with_rank_tables_beside_the_markers_reads_the_same(tmp_path, pristine):
+    """Logs written before rank tables moved to ``ranks/`` hold them in ``commits/``, where
+    their markers name them: every answer is the same, before and after a compaction, a
+    resume is exact, and new commits on such a log go to ``ranks/``."""
+    import json
+
+    from ledger.loader import TOKEN_VERSION
+
+    root, before = copy_of(pristine, tmp_path)
+    for name in os.listdir(os.path.join(root, "ranks")):
+        os.rename(os.path.join(root, "ranks", name), os.path.join(root, "commits", name))
+        marker = os.path.join(root, "commits", name.replace(".ranks", ".json"))
+        with open(marker) as f:
+            data = json.load(f)
+        data["ranks"]["path"] = f"commits/{name}"
+        with open(marker, "w") as f:
+            f.write(json.dumps(data, indent=1, sort_keys=True))  # as ledger wrote them
+    os.rmdir(os.path.join(root, "ranks"))
+    assert answers(root) == before
+    assert compact(root).segments == 4
+    assert answers(root) == before
+    with open(os.path.join(root, "run.json")) as f:
+        run_id = json.load(f)["run_id"]
+    token = {"version": TOKEN_VERSION, "root": root, "run_id": run_id, "attempt": 1}
+    resumed = loader(root)
+    resumed.load_state_dict({**token, "commit": "000000000012-0001", "world_size": 1, "step": 12})
+    reference = list(take(loader(str(tmp_path / "ref")), 16))
+    got = list(take(resumed, 4))
+    assert all(batches_equal(a, b) for a, b in zip(got, reference[12:], strict=True))
+    new = resumed.state_dict()["commit"]
+    assert os.listdir(os.path.join(root, "ranks")) == [f"{new}.ranks"]
+    assert CliRunner().invoke(main, ["verify", root]).exit_code == 0
+
+
 @pytest.mark.parametrize("point", ["files", "pieces", "marker", "retire"])
 def test_sigkill_at_each_point_leaves_a_valid_log(tmp_path, pristine, point):
     root, before = copy_of(pristine, tmp_path)
@@ -324,7 +358,7 @@ def test_pieces_share_row_groups_and_markers_come_from_the_catalog(tmp_path, pri
         patched.setattr(segments, "encode", refuse)
         assert show(root, 10).batch == 10
     # They come from the catalog: a catalogued commit's own rank table is not read.
-    os.remove(os.path.join(root, "commits", "000000000002-0000.ranks"))
+    os.remove(os.path.join(root, "ranks", "000000000002-0000.ranks"))
     with parse_once():
         again = read_history(Store(root))
     assert again is not None and np.array_equal(again.rows, markers.rows)

@@ -71,7 +71,7 @@ def _original(rel: str) -> bytes:
 def _scratch() -> Store:
     """A root the fuzzed files are written into, one at a time."""
     root = tempfile.mkdtemp(prefix="ledger-fuzz-scratch-")
-    for folder in ("commits", "attempts", "events/attempt=0/rank=0"):
+    for folder in ("commits", "ranks", "attempts", "events/attempt=0/rank=0"):
         os.makedirs(os.path.join(root, folder), exist_ok=True)
     return Store(root)
 
@@ -204,7 +204,7 @@ def test_marker_checked_at_once_as_field_by_field() -> None:
     assert taken > 100  # the fast path is the usual one
 
 
-RANKS = "commits/000000000004-0000.ranks"
+RANKS = "ranks/000000000004-0000.ranks"
 
 
 @FUZZ

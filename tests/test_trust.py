@@ -65,7 +65,7 @@ FILES = {
     "run": "run.json",
     "attempt": "attempts/0000.json",
     "marker": "commits/000000000004-0000.json",
-    "ranks": "commits/000000000004-0000.ranks",
+    "ranks": "ranks/000000000004-0000.ranks",
     "segment": "events/attempt=0/rank=0/seg-000000000004.parquet",
     "journal": "journal/attempt=0/rank=0.msgpack",
 }
