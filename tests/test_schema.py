@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ledger.schema import BATCH, EVENT_SCHEMA, KINDS, SAMPLE, SPAN, EventChunk, chunks_to_table
+from ledger.segments import encode
 
 
 def reference_rows(chunks: list[EventChunk], attempt: int, rank: int) -> list[dict]:
@@ -135,3 +137,26 @@ def test_map_style_row_group_equals_reference():
     table = chunks_to_table(chunks, 2, 1)
     assert table.schema == EVENT_SCHEMA
     assert table.to_pylist() == reference_rows(chunks, 2, 1)
+
+
+def test_digest_column_ignores_null_slots():
+    # chunks_to_table leaves the bytes of the digest column's null slots as allocated:
+    # the segment's bytes must not depend on them (Parquet's writer skips null slots).
+    chunks = [
+        EventChunk(SAMPLE, 0, b, -1, 3 * b, np.arange(3 * b, 3 * b + 3), digest=bytes([b]) * 32)
+        for b in range(5)
+    ]
+    table = chunks_to_table(chunks, 0, 0)
+    column = table["digest"].combine_chunks()
+    validity, data = column.buffers()
+    encoded = []
+    for fill in (0x00, 0xAB):
+        raw = np.frombuffer(data, np.uint8).reshape(len(column), 32).copy()
+        raw[np.array(column.is_null())] = fill
+        filled = pa.Array.from_buffers(
+            column.type, len(column), [validity, pa.py_buffer(raw)], column.null_count
+        )
+        assert filled.to_pylist() == column.to_pylist()
+        i = table.schema.get_field_index("digest")
+        encoded.append(encode(table.set_column(i, table.schema.field(i), filled)))
+    assert encoded[0] == encoded[1]
