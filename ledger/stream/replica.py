@@ -189,7 +189,10 @@ def replicas(
 def next_worker(reps: list[Replica], after: int) -> int:
     """The first logical worker after ``after`` (cyclically) that is not exhausted; -1 if none."""
     n = len(reps)
-    for step in range(1, n + 1):
+    nxt = after + 1 if after + 1 < n else 0
+    if not reps[nxt].exhausted():  # the common case, once per batch
+        return nxt
+    for step in range(2, n + 1):
         w = (after + step) % n
         if not reps[w].exhausted():
             return w

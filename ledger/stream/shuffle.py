@@ -31,6 +31,10 @@ from ledger.order import _GOLDEN, _mix
 from ledger.stream.source import ShardedSource
 
 Piece = tuple[int, int, int]  # (shard, first row, row after the last)
+Run = tuple[int, int, int, int, int]
+"""Rows a chunk read from one piece: ``(k_end, piece, base, piece_after, row_after)``: the
+cursor after the chunk's ``k``-th row is ``(piece, base + k)`` up to ``k_end`` (excluded),
+and ``(piece_after, row_after)`` (the next piece with rows, once this one is read) at it."""
 
 
 def skip_empty(pieces: list[Piece], shard: int, row: int) -> tuple[int, int]:
@@ -105,10 +109,12 @@ class IdFeed:
         self.size = size
         self.key = np.uint64(key)
         self._skip_empty()
-        # The current chunk: outputs, and per step the cursor and rows read after it.
+        # The current chunk: its outputs, and the cursor after each step (:meth:`_after`).
         self._t = 0
         self._out = np.zeros(0, np.int64)
-        self._shard_after = self._row_after = self._read_after = self._out
+        self._runs: list[Run] = []
+        self._read0 = 0
+        self._const: tuple[int, int, int] | None = None
         self._rebuild: tuple[str, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._end_buf = self._buf
         self._end_pos = self._buf_pos
@@ -116,20 +122,34 @@ class IdFeed:
 
     # ------------------------------------------------------------------ state
 
-    def _at(self, arr: np.ndarray, scalar: int) -> int:
-        return int(arr[self._t - 1]) if self._t else scalar
+    def _after(self, k: int) -> tuple[int, int, int]:
+        """``(shard, row, rows_read)`` after step ``k`` of the current chunk (``k >= 1``).
+
+        A chunk reads one row per step (none in the drain), so the cursor after a step
+        is a function of the step: no array per step is kept."""
+        if self._const is not None:
+            return self._const
+        for end, shard, base, end_shard, end_row in self._runs:
+            if k < end:
+                return shard, base + k, self._read0 + k
+            if k == end:
+                return end_shard, end_row, self._read0 + k
+        raise AssertionError(f"step {k} lies past the chunk's rows")
+
+    def _at(self, i: int, scalar: int) -> int:
+        return self._after(self._t)[i] if self._t else scalar
 
     @property
     def shard(self) -> int:
-        return self._at(self._shard_after, self._shard)
+        return self._at(0, self._shard)
 
     @property
     def row(self) -> int:
-        return self._at(self._row_after, self._row)
+        return self._at(1, self._row)
 
     @property
     def rows_read(self) -> int:
-        return self._at(self._read_after, self._rows_read)
+        return self._at(2, self._rows_read)
 
     @property
     def draws(self) -> int:
@@ -144,14 +164,8 @@ class IdFeed:
         t = self._t
         if t == 0:
             return self._shard, self._row, self._rows_read, self._draws, self._emitted
-        return (
-            # ``item``: a Python int at half the cost of ``int(arr[i])`` (once per batch)
-            self._shard_after.item(t - 1),
-            self._row_after.item(t - 1),
-            self._read_after.item(t - 1),
-            self._draws + (t if self.size else 0),
-            self._emitted + t,
-        )
+        shard, row, rows_read = self._after(t)
+        return shard, row, rows_read, self._draws + (t if self.size else 0), self._emitted + t
 
     def buffer(self) -> list[int]:
         """Sample ids in the buffer's slots now, in slot order."""
@@ -178,19 +192,18 @@ class IdFeed:
         return self._end_shard() >= len(self.pieces) and self._end_buf.size == 0
 
     def _end_shard(self) -> int:
-        return self._shard_after.item(-1) if len(self._out) else self._shard
+        return self._after(len(self._out))[0] if len(self._out) else self._shard
 
     # ------------------------------------------------------------------ rows
 
     def _skip_empty(self) -> None:
         self._shard, self._row = skip_empty(self.pieces, self._shard, self._row)
 
-    def _rows(self, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """The next ``m`` (or fewer) rows' sample ids, the cursor after each row, and
-        (with ``locate``) the rows' positions."""
+    def _rows(self, m: int) -> tuple[np.ndarray, list[Run], np.ndarray | None]:
+        """The next ``m`` (or fewer) rows' sample ids, the cursor after each row (as
+        :class:`Run` s, see :meth:`_after`), and (with ``locate``) the rows' positions."""
         ids: list[np.ndarray] = []
-        shards: list[np.ndarray] = []
-        rows: list[np.ndarray] = []
+        runs: list[Run] = []
         places: list[np.ndarray] | None = None if self.locate is None else []
         got = 0
         while got < m and self._shard < len(self.pieces):
@@ -201,20 +214,19 @@ class IdFeed:
             ids.append(np.arange(first, first + take, dtype=np.int64) + self._base[p])
             if places is not None:
                 places.append(ids[-1] + self._shift_of(self.pieces[p][0], ids[-1][:1]))
-            after_rows = np.arange(first + 1, first + take + 1, dtype=np.int64)
-            after_shards = np.full(take, p, np.int64)
+            base = first - got  # the row after the call's k-th row is base + k
             got += take
             self._row += take
             self._rows_read += take
             self._skip_empty()
-            after_shards[-1], after_rows[-1] = self._shard, self._row
-            shards.append(after_shards)
-            rows.append(after_rows)
+            runs.append((got, p, base, self._shard, self._row))
         if not ids:
             empty = np.zeros(0, np.int64)
-            return empty, empty, empty, None if places is None else empty
+            return empty, runs, None if places is None else empty
+        if len(ids) == 1:
+            return ids[0], runs, None if places is None else places[0]
         placed = None if places is None else np.concatenate(places)
-        return np.concatenate(ids), np.concatenate(shards), np.concatenate(rows), placed
+        return np.concatenate(ids), runs, placed
 
     def _shift_of(self, shard: int, first: np.ndarray) -> int:
         """Position minus sample id in ``shard`` (``first``: one of its ids, ``(1,)``)."""
@@ -232,16 +244,14 @@ class IdFeed:
     def _roll(self) -> None:
         """Make the end of the current chunk the start of the next."""
         if len(self._out):
-            self._shard = int(self._shard_after[-1])
-            self._row = int(self._row_after[-1])
-            self._rows_read = int(self._read_after[-1])
+            self._shard, self._row, self._rows_read = self._after(len(self._out))
             self._draws = self.draws
             self._emitted = self.emitted
             self._buf = self._end_buf
             self._buf_pos = self._end_pos
         self._t = 0
         self._out = np.zeros(0, np.int64)
-        self._shard_after = self._row_after = self._read_after = self._out
+        self._runs, self._read0, self._const = [], self._rows_read, None
         self._rebuild = None
         self._end_buf = self._buf
         self._end_pos = self._buf_pos
@@ -254,13 +264,12 @@ class IdFeed:
         shard, row, read = self._shard, self._row, self._rows_read
         try:
             if self.size == 0:
-                out, shards, rows, placed = self._rows(_CHUNK)
-                read_after = np.arange(1, out.size + 1) + read
-                self._set(out, shards, rows, read_after, self._buf, placed, self._buf_pos)
+                out, runs, placed = self._rows(_CHUNK)
+                self._set(out, runs, read, None, self._buf, placed, self._buf_pos)
                 return out.size > 0
             buf, buf_pos = self._buf, self._buf_pos
             if buf.size < self.size and self._has_rows():  # the fill before the next draw
-                fill, _, _, fill_pos = self._rows(self.size - buf.size)
+                fill, _, fill_pos = self._rows(self.size - buf.size)
                 buf = np.concatenate([buf, fill])
                 if buf_pos is not None and fill_pos is not None:
                     buf_pos = np.concatenate([buf_pos, fill_pos])
@@ -277,14 +286,16 @@ class IdFeed:
     def _set(
         self,
         out: np.ndarray,
-        shards: np.ndarray,
-        rows: np.ndarray,
-        read: np.ndarray,
+        runs: list[Run],
+        read0: int,
+        const: tuple[int, int, int] | None,
         end_buf: np.ndarray,
         placed: np.ndarray | None,
         end_pos: np.ndarray | None,
     ) -> None:
-        self._out, self._shard_after, self._row_after, self._read_after = out, shards, rows, read
+        """The chunk's outputs; the cursor after step ``k``: ``const`` (the drain), else
+        from ``runs`` and ``read0 + k`` rows read (:meth:`_after`)."""
+        self._out, self._runs, self._read0, self._const = out, runs, read0, const
         self._end_buf = end_buf
         self._placed = placed
         self._end_pos = end_pos
@@ -293,7 +304,7 @@ class IdFeed:
         """Steps that each output a slot and refill it with the next row (and the
         positions follow the ids, with ``locate``)."""
         read0 = self._rows_read
-        rows, shards, cursor, rows_pos = self._rows(_CHUNK)  # one replacement row per step
+        rows, runs, rows_pos = self._rows(_CHUNK)  # one replacement row per step
         t = rows.size
         slots = _draw(self.key, self._draws, t, buf.size)
         order = _by_slot(slots)  # by slot, then step
@@ -320,8 +331,7 @@ class IdFeed:
             end_pos = buf_pos.copy()
             end_pos[by_slot[last]] = rows_pos[order[last]]
             end_pos[by_slot[-1]] = rows_pos[order[-1]]
-        read = read0 + np.arange(1, t + 1, dtype=np.int64)
-        self._set(out, shards, cursor, read, end, placed, end_pos)
+        self._set(out, runs, read0, None, end, placed, end_pos)
         self._rebuild = ("steady", buf, slots, rows)
 
     def _drain(self, buf: np.ndarray, buf_pos: np.ndarray | None) -> None:
@@ -340,13 +350,12 @@ class IdFeed:
             out[i] = at[j]
             at[j] = at[last]
         taken = np.array(out, np.int64)
-        same = np.full(t, 1, np.int64)
         empty = np.zeros(0, np.int64)
         self._set(
             buf[taken],
-            same * self._shard,
-            same * self._row,
-            same * self._rows_read,
+            [],
+            0,
+            (self._shard, self._row, self._rows_read),
             empty,
             None if buf_pos is None else buf_pos[taken],
             None if buf_pos is None else empty,
