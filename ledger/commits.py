@@ -561,7 +561,7 @@ class Commit:
                 "bytes": len(data),
                 "sha256": sha256(data),
                 "shape": list(self._shape()),
-                "encoding": ranks_mod.ENCODING,
+                "encoding": self.ranks.encoding if self.ranks is not None else ranks_mod.ENCODING,
             },
             "manifest": {
                 "path": manifest_mod.manifest_path(self.id),
@@ -637,11 +637,13 @@ def commit_from_rows(
     created_at: str,
     rows: np.ndarray,
     extra: dict[str, Any],
+    head: int = ranks_mod.HEADS[ranks_mod.ENCODING],
 ) -> Commit:
-    """A version-2 commit from its header fields, rank table rows and optional marker
-    fields (``manifest``, ``lineage``, ``skips``), as a compaction's catalog holds them
+    """A version-2 commit from its header fields, rank table rows (with ``head`` leading
+    columns, :data:`ledger.ranks.HEADS`) and optional marker fields (``manifest``,
+    ``lineage``, ``skips``), as a compaction's catalog holds them
     (:func:`ledger.compaction.catalogued`): no dict per commit."""
-    ranks = RankTable(rows, attempt)
+    ranks = RankTable(rows, attempt, head)
     return Commit(
         cid,
         step,
@@ -978,7 +980,7 @@ def parse_marker_v2(store: Store, cid: str, data: dict[str, Any]) -> Commit:
     fields = _v2_fields(data, cid)
     if fields is None:  # something is off: the field-by-field checks say what
         fields = _v2_fields_checked(data, cid, where)
-    header, path, digest, shape = fields
+    header, path, digest, shape, encoding = fields
     try:
         blob = store.read_bytes(path)
     except FileNotFoundError as e:
@@ -990,7 +992,7 @@ def parse_marker_v2(store: Store, cid: str, data: dict[str, Any]) -> Commit:
             f"{store.full(path)} has SHA-256 {found}, but {where} names {digest}: the rank "
             "table was altered"
         )
-    table = ranks_mod.decode(blob, shape, header["attempt"], store.full(path))
+    table = ranks_mod.decode(blob, shape, header["attempt"], store.full(path), encoding)
     if len(table) != header["world_size"]:
         raise LogCorrupted(
             f"{where}: world size {header['world_size']}, but its rank table holds "
@@ -1007,8 +1009,8 @@ def parse_marker_v2(store: Store, cid: str, data: dict[str, Any]) -> Commit:
     )
 
 
-_Fields = tuple[dict[str, Any], str, str, tuple[int, int]]
-"""A version-2 marker's header, and its rank table's path, SHA-256 and shape."""
+_Fields = tuple[dict[str, Any], str, str, tuple[int, int], str]
+"""A version-2 marker's header, and its rank table's path, SHA-256, shape and encoding."""
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -1050,7 +1052,7 @@ def _v2_fields(data: dict[str, Any], cid: str) -> _Fields | None:
             and type(shape[1]) is int
             and 0 <= shape[0] <= INT64_MAX
             and 0 <= shape[1] <= INT64_MAX
-            and ref["encoding"] == ranks_mod.ENCODING
+            and ref["encoding"] in ranks_mod.HEADS
         ):
             return None
     except (KeyError, TypeError):  # a field missing, or not an object
@@ -1063,7 +1065,7 @@ def _v2_fields(data: dict[str, Any], cid: str) -> _Fields | None:
         "world_size": world,
         "created_at": created,
     }
-    return header, path, digest, (shape[0], shape[1])
+    return header, path, digest, (shape[0], shape[1]), ref["encoding"]
 
 
 def _v2_fields_checked(data: dict[str, Any], cid: str, where: str) -> _Fields:
@@ -1089,9 +1091,12 @@ def _v2_fields_checked(data: dict[str, Any], cid: str, where: str) -> _Fields:
     shape = items(ref, "shape", inner)
     if len(shape) != 2 or not all(_is_int(x) and 0 <= x <= INT64_MAX for x in shape):
         raise LogCorrupted(f"{inner}: 'shape' is {shape!r}, not two integers")
-    if require(ref, "encoding", str, inner) != ranks_mod.ENCODING:
-        raise LogCorrupted(f"{inner}: encoding {ref['encoding']!r} is not {ranks_mod.ENCODING!r}")
-    return header, path, digest, (shape[0], shape[1])
+    encoding = require(ref, "encoding", str, inner)
+    if encoding not in ranks_mod.HEADS:
+        raise LogCorrupted(
+            f"{inner}: encoding {encoding!r} is not one of {sorted(ranks_mod.HEADS)!r}"
+        )
+    return header, path, digest, (shape[0], shape[1]), encoding
 
 
 def _usual_fields(data: dict[str, Any], cid: str) -> dict[str, Any] | None:

@@ -55,7 +55,7 @@ from ledger.commits import (
 from ledger.errors import CommitConflict, CommitNotFound, LogCorrupted
 from ledger.history import HEAD
 from ledger.manifest import manifest_path
-from ledger.ranks import SegmentRef
+from ledger.ranks import ENCODING_V1, HEADS, SegmentRef
 from ledger.schema import EVENT_SCHEMA, SCHEMA_VERSION
 from ledger.store import Store, sha256
 
@@ -258,6 +258,7 @@ CATALOG_SCHEMA = pa.schema(
         pa.field("manifest_sha256", pa.string()),
         pa.field("lineage", pa.list_(pa.int64())),
         pa.field("skips", pa.list_(SKIP_TYPE)),
+        pa.field("head", pa.int64()),
     ]
 )
 """Columns of ``compactions/<id>.commits.parquet``, the catalog of a compaction: one row
@@ -266,7 +267,9 @@ header, its rank table (``world_size x width`` integers, row-major, the layout o
 :mod:`ledger.ranks`), the SHA-256 of its manifest, its lineage ranges (flattened
 triples), null when the marker names none, and its planned skips
 (:attr:`ledger.commits.Commit.planned_skips`), null when it names none (a catalog
-written before this column reads as naming none). Markers never change once written, so a
+written before this column reads as naming none), and the leading columns of its rank
+table's layout (:data:`ledger.ranks.HEADS`; null, or a catalog written before this
+column: layout version 1). Markers never change once written, so a
 command reads the catalog (one file) instead of one marker and one rank table per commit:
 an audit of a compacted history of 10^4 commits reads 3 files, not 2·10^4."""
 
@@ -358,6 +361,8 @@ def _catalog_table(
         read = pf.read(columns=[n for n in names if n in present], use_threads=False)
         if "skips" in names and "skips" not in present:  # written before skips were catalogued
             read = read.append_column("skips", pa.nulls(read.num_rows, pa.list_(SKIP_TYPE)))
+        if "head" in names and "head" not in present:  # written before layout version 2
+            read = read.append_column("head", pa.nulls(read.num_rows, pa.int64()))
         read = _ranks_as_lists(read)
         table = read.select(names).cast(schema).combine_chunks()
         offsets = table["ranks"].combine_chunks().offsets.to_numpy()
@@ -444,6 +449,7 @@ def _read_catalog(store: Store, rel: str, digest: str) -> dict[str, Commit]:
             for name in CATALOG_SCHEMA.names
             if name not in ("ranks", "lineage", "skips")
         }
+        cols["head"] = [HEADS[ENCODING_V1] if h is None else h for h in cols["head"]]
         cols["skips"] = table["skips"].to_pylist()
     except (pa.ArrowException, ValueError, KeyError) as e:
         raise LogCorrupted(f"{where} is not a catalog of commits: {e}") from e
@@ -492,7 +498,7 @@ def _catalog_commits(
     aligned = not np.any(np.diff(bounds) % 3)  # null rows of no values, as written
     triples = list(zip(flat[0::3], flat[1::3], flat[2::3], strict=True)) if aligned else []
     out = {}
-    for k, (cid, step, attempt, parent, world, created, rows, digest, skips) in enumerate(
+    for k, (cid, step, attempt, parent, world, created, rows, digest, skips, head) in enumerate(
         zip(
             cols["id"],
             cols["step"],
@@ -503,6 +509,7 @@ def _catalog_commits(
             tables,
             cols["manifest_sha256"],
             cols["skips"],
+            cols["head"],
             strict=True,
         )
     ):
@@ -516,7 +523,9 @@ def _catalog_commits(
         elif has_lineage[k]:
             r = flat[starts[k] : starts[k + 1]]
             extra["lineage"] = tuple(zip(r[0::3], r[1::3], r[2::3], strict=True))
-        out[cid] = commit_from_rows(cid, step, attempt, parent, world, created, rows, extra)
+        if head not in HEADS.values() or rows.shape[1] < head:
+            raise LogCorrupted(f"{where}: commit {cid} has a rank table of an unknown layout")
+        out[cid] = commit_from_rows(cid, step, attempt, parent, world, created, rows, extra, head)
     return out
 
 
@@ -559,6 +568,7 @@ def _catalog(commits: list[Commit]) -> bytes:
                 else None
                 for c in kept
             ],
+            "head": [c.ranks.head for c in kept if c.ranks is not None],
         },
         schema=CATALOG_FILE_SCHEMA,
     )

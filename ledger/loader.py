@@ -294,6 +294,9 @@ class DataLoader:
         # Ranges of batches [start, stop) to skip when reached, with reasons, by start.
         self._planned: list[tuple[int, int, str]] = []
         self._resume_events: list[EventChunk] = []
+        # A resume's check still running in the background (Pipeline.confirm_replay): it
+        # must pass before a batch is handed out, recorded or committed.
+        self._unconfirmed = False
         self._token_commits: dict[str, Commit] = {}
         self._generation = 0
         self._iter_epoch: int | None = None
@@ -369,6 +372,12 @@ class DataLoader:
 
     # ------------------------------------------------------------------ iteration
 
+    def _confirm_replay(self) -> None:
+        """Raise the error of a resume's check left running, if it failed (every call)."""
+        if self._unconfirmed:
+            self._pipeline.confirm_replay()
+            self._unconfirmed = False
+
     def _check_open(self) -> None:
         if self._closed:
             raise LedgerError("this ledger.DataLoader is closed: create a new one")
@@ -423,6 +432,8 @@ class DataLoader:
                     break
                 tag, data = item
                 self._check_generation(generation)
+                if self._unconfirmed:
+                    self._confirm_replay()
                 state, events = pipeline.record(self._state, tag)
                 for chunk in events:
                     append(chunk)
@@ -505,6 +516,7 @@ class DataLoader:
                 commits them.
         """
         self._check_open()
+        self._confirm_replay()
         if self._ledger.attempt is None:
             run_id = self._ledger.open(self.config)
             head = self._resume_from
@@ -647,6 +659,7 @@ class DataLoader:
 
     def _skip_now(self, batches: int, reason: str) -> None:
         """Skip the next ``batches`` batches (see :meth:`skip`)."""
+        self._confirm_replay()
         before = self._state
         state, events = self._pipeline.skip(before, batches, reason)
         for chunk in events:
@@ -741,12 +754,16 @@ class DataLoader:
             raise
         if token["run_id"] != run_id:  # a run created since _check_run (a racing writer)
             raise WrongRoot(f"{self._ledger.root} holds run {run_id}, not the token's")
+        self._unconfirmed = False
         if token["commit"] == "":
             head = None
             state = self._pipeline.initial_state()
         else:
             head = self._read_token_commit(token, moved)
             state, self._resume_events = self._pipeline.replay(self._ledger.store, head)
+            # The newest segment's SHA-256 may still be being checked (confirm_replay):
+            # it overlaps with the first batch's fetch and is joined before the batch.
+            self._unconfirmed = True
         if self._verify_data and head is not None:
             self._check_last_batch(head, state)
         self._state = state

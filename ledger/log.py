@@ -28,8 +28,8 @@ from ledger.commits import (
 from ledger.dist import Group
 from ledger.errors import CommitConflict, LedgerError, StorageError
 from ledger.journal import Journal, journal_path, read_journal
-from ledger.ranks import FAILED, NEWS, NO_NEWS, from_rows, pack
-from ledger.schema import EventChunk, chunks_to_table
+from ledger.ranks import FAILED, NEWS, NO_NEWS, final_batch_of, from_rows, pack
+from ledger.schema import ERROR, ROLLBACK, SAMPLE, EventChunk, chunks_to_table
 from ledger.segments import SegmentBuilder, encode, segment_path
 from ledger.store import Store, sha256
 
@@ -61,6 +61,8 @@ class _Inflight:
         ref: the segment's reference, ``None`` without events.
         marker: the marker tried (rank 0), ``None`` if the try failed before it.
         rows: the gathered rows the marker was built from (rank 0).
+        final: the fingerprint of the segment's final batch
+            (:func:`ledger.ranks.final_batch_of`), ``None`` if it has none.
     """
 
     step: int
@@ -70,6 +72,7 @@ class _Inflight:
     ref: SegmentRef | None
     marker: Commit | None = None
     rows: np.ndarray | None = None
+    final: int | None = None
 
 
 class Ledger:
@@ -277,7 +280,8 @@ class Ledger:
         self._inflight = inflight
         self._put_segment(inflight)
         if inflight.marker is None:
-            inflight.marker = self._marker(state.batch, pack(state, inflight.ref, NEWS)[None, :])
+            row = pack(state, inflight.ref, NEWS, inflight.final)
+            inflight.marker = self._marker(state.batch, row[None, :])
         write_commit(self.store, inflight.marker)
         return self._committed(inflight.marker)
 
@@ -325,15 +329,15 @@ class Ledger:
         segment reference, :func:`ledger.ranks.pack`); rank 0 writes the marker once all
         exist and broadcasts only the commit's header. Ranks other than 0 thus send and
         receive O(1) bytes at any world size; rank 0's O(W) work is numpy's."""
-        status, error, ref = (NEWS if self._pending else NO_NEWS), None, None
+        status, error, ref, final = (NEWS if self._pending else NO_NEWS), None, None, None
         try:
             inflight = self._inflight or self._prepare(state, snapshot)
             self._inflight = inflight
             self._put_segment(inflight)
-            ref = inflight.ref
+            ref, final = inflight.ref, inflight.final
         except LedgerError as e:  # the others must still take part in the collective
             status, error = FAILED, f"rank {self.rank}: {e}"
-        rows = self.group.gather_rows(pack(state, ref, status))
+        rows = self.group.gather_rows(pack(state, ref, status, final))
         decision = self._decide(rows) if rows is not None else {}
         decision = self.group.broadcast(decision)
         if decision.get("collect"):  # a rank failed: rank 0 learns why, then says it
@@ -394,7 +398,8 @@ class Ledger:
         rel = segment_path(self.attempt, self.rank, state.batch)
         rows = sum(c.rows for c in chunks)
         ref = SegmentRef(self.rank, rel, rows, len(data), sha256(data))
-        return _Inflight(state.batch, len(self._pending), state, data, ref)
+        final = final_batch_of(chunks, (SAMPLE, ERROR, ROLLBACK))
+        return _Inflight(state.batch, len(self._pending), state, data, ref, final=final)
 
     def _put_segment(self, inflight: _Inflight) -> None:
         """PUT the segment under its final name (again, with the same bytes, on a retry)."""

@@ -37,8 +37,16 @@ from ledger.errors import LedgerError, SampleError, UnsupportedArgument
 from ledger.fetch import Failure, RngMode, batch_getter, load_batch, load_in_loop
 from ledger.order import BatchPlan, EpochOrder, batch_seeds
 from ledger.pipeline import PHASE_BATCHING, LoaderSettings, in_process, phase_record
-from ledger.replay import advance, logged_sample_ids, replay, resume_elastic
+from ledger.replay import (
+    advance,
+    check_final_batch,
+    logged_sample_ids,
+    replay,
+    replay_by_marker,
+    resume_elastic,
+)
 from ledger.schema import ERROR, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SKIP, EventChunk
+from ledger.segments import CheckedLater
 from ledger.store import Store
 
 _CHUNK_POSITIONS = 1 << 14  # positions whose ids are computed in one vectorised call
@@ -315,6 +323,8 @@ class MapPipeline:
         self._orders: dict[int, EpochOrder] = {}
         # The first chunk's ids after a resumed state, computed by the replay's check.
         self._ahead: tuple[PipelineState, np.ndarray] | None = None
+        # The newest segment whose checksum a resume left running (confirm_replay).
+        self._unconfirmed: CheckedLater | None = None
         self._fetch = _Fetch(
             dataset,
             settings.seed,
@@ -508,11 +518,34 @@ class MapPipeline:
         def order_for(epoch: int) -> Any:
             return check if check is not None and epoch == recorded.epoch else self.order(epoch)
 
-        state = replay(
-            store, head, self.plan, order_for, ids_of=ids_of,
-            meanwhile=check.compute if check is not None else None,
-        )  # fmt: skip
         self._ahead = None
+        self._unconfirmed = None
+        quick = None
+        if check is not None and ids_of is logged_sample_ids:  # a mixture's ids hold sources
+            quick = replay_by_marker(
+                store, head, self.plan_at(recorded), check, check.last, check.compute
+            )
+        if quick is not None:
+            state, self._unconfirmed = quick
+        else:
+            state = replay(
+                store, head, self.plan, order_for, ids_of=ids_of,
+                meanwhile=check.compute if check is not None and check.ids is None else None,
+            )  # fmt: skip
+            if check is not None and ids_of is logged_sample_ids:
+                check_final_batch(head, self.plan.rank)
         if check is not None and check.ids is not None and state == recorded:
             self._ahead = (state, check.ids)
         return state
+
+    def confirm_replay(self) -> None:
+        """Wait for the check :func:`ledger.replay.replay_by_marker` left running: the
+        newest segment's presence and SHA-256.
+
+        Raises:
+            LogCorrupted: if the segment is missing, unreadable or altered.
+        """
+        segment = self._unconfirmed
+        if segment is not None:
+            segment.check()
+            self._unconfirmed = None

@@ -180,6 +180,17 @@ class Pipeline(Protocol):
         """
         ...
 
+    def confirm_replay(self) -> None:
+        """Finish the checks :meth:`replay` left running in the background (a map-style
+        resume: the newest segment's SHA-256); the loader calls it before the first batch
+        after a resume reaches the training loop, and before it records or commits
+        anything. A no-op when none is left.
+
+        Raises:
+            LogCorrupted: if the check fails (it raises again on every call).
+        """
+        ...
+
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
 

@@ -29,15 +29,25 @@ Row layout (``int64``):
 15-16 K (logical workers), T (integers of tails)
 17-25 newest segment when the rank wrote none at this commit: present (0/1), attempt,
       step, rows, bytes, SHA-256 (4 values)
-26-   9*K worker fields (worker-major, :data:`WORKER_FIELDS` order), K tail lengths
+26-27 the final batch of the rank's newest segment: recorded (0/1), its
+      :func:`final_batch_fingerprint` (carried forward with the newest segment; layout
+      version 2, :data:`ENCODING`, only)
+28-   9*K worker fields (worker-major, :data:`WORKER_FIELDS` order), K tail lengths
       (integers), T tail integers (``sample, offset, length`` triples); zero padding
 ====  =================================================================================
+
+Layout version 1 (:data:`ENCODING_V1`, logs written before the final batch's fingerprint)
+has no columns 26-27: its worker fields start at column 26. Both are read; only version 2
+is written. A map-style resume checks the fingerprint of the batch its order puts last
+against columns 26-27 instead of decoding the segment's final row group
+(:func:`ledger.replay.replay_by_marker`); a version-1 table is resumed by decoding.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -59,11 +69,18 @@ WORKER_FIELDS = (
 )
 """Integer fields of :class:`~ledger.commits.WorkerState`, in a row's order."""
 
-ENCODING = "int64-columns-shuffle-zstd"
-"""Name of the on-disk encoding, recorded in the marker."""
+ENCODING = "int64-columns-shuffle-zstd-v2"
+"""Name of the on-disk encoding written, recorded in the marker: layout version 2."""
+
+ENCODING_V1 = "int64-columns-shuffle-zstd"
+"""Layout version 1 (no final batch's fingerprint), read for logs written before it."""
+
+HEADS = {ENCODING_V1: 26, ENCODING: 28}
+"""Leading columns (before the worker fields) of each layout, by encoding name."""
 
 _INTS = ("epoch", "epoch_batch", "batch", "epoch_start", "next_worker")
-_HEAD = 26
+_HEAD = HEADS[ENCODING]
+_FINAL = slice(26, 28)  # layout 2: final batch recorded (0/1), its fingerprint
 NO_NEWS, NEWS, FAILED = 0, 1, 2
 _PATH = re.compile(r"events/attempt=(\d+)/rank=(\d+)/seg-(\d+)\.parquet")
 
@@ -104,12 +121,27 @@ class RankTable(Sequence[Any]):
     Args:
         rows: ``int64`` array ``(W, L)`` (layout in the module docstring).
         attempt: the attempt that wrote the commit (segments written at it are its).
+        head: leading columns of the layout (:data:`HEADS`): 28, or 26 for version 1.
     """
 
-    def __init__(self, rows: np.ndarray, attempt: int) -> None:
+    def __init__(self, rows: np.ndarray, attempt: int, head: int = _HEAD) -> None:
         self.rows = rows
         self.attempt = attempt
+        self.head = head
         self._states: dict[int, Any] = {}
+
+    @property
+    def encoding(self) -> str:
+        """The encoding name of this table's layout (recorded in its marker)."""
+        return ENCODING if self.head == _HEAD else ENCODING_V1
+
+    def final_batch(self, rank: int) -> int | None:
+        """The :func:`final_batch_fingerprint` of the final batch in ``rank``'s newest
+        segment, or ``None`` when the table does not record one (layout version 1, a
+        segment ending without a sample of a batch, a hand-made commit)."""
+        if self.head < _HEAD or not 0 <= rank < len(self) or self.rows[rank, 26] != 1:
+            return None
+        return int(self.rows[rank, 27])
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
@@ -144,10 +176,10 @@ class RankTable(Sequence[Any]):
         from ledger.commits import PipelineState, WorkerState
 
         row = self.rows[i].tolist()
-        width, total = row[15], row[16]
-        body = row[_HEAD : _HEAD + 9 * width]
-        lengths = row[_HEAD + 9 * width : _HEAD + 10 * width]
-        flat = row[_HEAD + 10 * width : _HEAD + 10 * width + total]
+        width, total, h = row[15], row[16], self.head
+        body = row[h : h + 9 * width]
+        lengths = row[h + 9 * width : h + 10 * width]
+        flat = row[h + 10 * width : h + 10 * width + total]
         workers = []
         at = 0
         for k in range(width):
@@ -214,7 +246,59 @@ class RankTable(Sequence[Any]):
         return None
 
 
-def pack(state: Any, ref: SegmentRef | None, status: int) -> np.ndarray:
+def final_batch_fingerprint(epoch: int, batch: int, positions: np.ndarray, ids: np.ndarray) -> int:
+    """A signed 64-bit fingerprint of a batch's events: its epoch, batch index, and the
+    positions and sample ids of its ``sample``/``error``/``rollback`` events in position
+    order (what a resume checks of the final batch, :func:`ledger.replay.replay`).
+
+    BLAKE2b with an 8-byte digest (RFC 7693) over the little-endian ``int64`` values
+    ``epoch, batch, rows``, then the positions, then the ids: ~2 µs for 256 events.
+
+    Args:
+        epoch, batch: the batch's epoch and per-rank batch index.
+        positions: ``int64 (rows,)``, ascending.
+        ids: ``int64 (rows,)``, the sample id at each position.
+    """
+    h = hashlib.blake2b(digest_size=8, person=b"ledger-final")
+    h.update(np.array([epoch, batch, positions.shape[0]], "<i8").tobytes())
+    h.update(np.ascontiguousarray(positions, "<i8").tobytes())
+    h.update(np.ascontiguousarray(ids, "<i8").tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def final_batch_of(chunks: Sequence[Any], kinds: Iterable[str]) -> int | None:
+    """:func:`final_batch_fingerprint` of the batch a segment of ``chunks``
+    (:class:`~ledger.schema.EventChunk`, in the segment's order) ends with, over its
+    chunks of ``kinds``; ``None`` when no chunk of the final batch is of ``kinds``."""
+    if not chunks:
+        return None
+    last = chunks[-1].batch
+    wanted = set(kinds)
+    picked = []
+    for chunk in reversed(chunks):
+        if chunk.batch != last:
+            break  # batch indexes never decrease within a segment
+        if chunk.kind in wanted and chunk.sample_ids.shape[0]:
+            picked.append(chunk)
+    if not picked:
+        return None
+    picked.reverse()
+    positions = np.concatenate(
+        [
+            c.positions
+            if c.positions is not None
+            else np.arange(c.position, c.position + c.sample_ids.shape[0], dtype=np.int64)
+            for c in picked
+        ]
+    ).astype(np.int64, copy=False)
+    ids = np.concatenate([c.sample_ids for c in picked]).astype(np.int64, copy=False)
+    if positions.size > 1 and not (positions[1:] >= positions[:-1]).all():
+        order = np.argsort(positions, kind="stable")
+        positions, ids = positions[order], ids[order]
+    return final_batch_fingerprint(picked[0].epoch, last, positions, ids)
+
+
+def pack(state: Any, ref: SegmentRef | None, status: int, final: int | None = None) -> np.ndarray:
     """One rank's row (layout in the module docstring), as an ``int64`` vector.
 
     Args:
@@ -222,6 +306,8 @@ def pack(state: Any, ref: SegmentRef | None, status: int) -> np.ndarray:
         ref: the segment it wrote, at its standard path (``segment_path`` of its attempt,
             its rank and ``state.batch``), or ``None``.
         status: :data:`NO_NEWS`, :data:`NEWS` or :data:`FAILED`.
+        final: the fingerprint of the batch ``ref`` ends with (:func:`final_batch_of`),
+            or ``None`` (not recorded; a resume then decodes the segment).
 
     Raises:
         ValueError: if ``ref``'s path is not the standard one.
@@ -243,6 +329,8 @@ def pack(state: Any, ref: SegmentRef | None, status: int) -> np.ndarray:
         head[8:10] = (-1, 0)
     head[10:15] = [getattr(state, n) for n in _INTS]
     head[15:17] = (len(workers), len(tails))
+    if ref is not None and final is not None:
+        head[_FINAL] = (1, final)
     body = [getattr(w, n) for w in workers for n in WORKER_FIELDS]
     body += [3 * len(w.tails) for w in workers]
     return np.concatenate([head, np.asarray(body + tails, np.int64)])
@@ -260,13 +348,18 @@ def from_rows(
             newest segment of its lineage; ``None`` for the first commit.
 
     Returns:
-        The table's rows (a new array).
+        The table's rows (a new array). A rank that wrote no segment carries its newest
+        segment's final-batch fingerprint (columns 26-27) from a version-2 parent.
     """
     out = rows.copy()
     n = out.shape[0]
     out[:, 17:26] = 0
     if parent is None:
         return out
+    if isinstance(parent, RankTable) and parent.head == _HEAD:
+        m = min(n, len(parent))
+        kept = out[:m, 1] == 1
+        out[:m, _FINAL] = np.where(kept[:, None], out[:m, _FINAL], parent.rows[:m, _FINAL])
     if isinstance(parent, RankTable):
         p = parent.rows[:n]
         m = p.shape[0]
@@ -321,17 +414,21 @@ def encode(rows: np.ndarray) -> bytes:
     return bytes(pa.Codec("zstd", compression_level=3).compress(shuffled, asbytes=True))
 
 
-def decode(data: bytes, shape: tuple[int, int], attempt: int, where: str) -> RankTable:
-    """Parse a table written by :func:`encode` with ``shape`` ``(W, L)``.
+def decode(
+    data: bytes, shape: tuple[int, int], attempt: int, where: str, encoding: str = ENCODING
+) -> RankTable:
+    """Parse a table written by :func:`encode` with ``shape`` ``(W, L)`` in the layout of
+    ``encoding`` (a name in :data:`HEADS`).
 
     Raises:
         LogCorrupted: if ``data`` does not decompress to ``W * L`` integers (naming
             ``where``).
     """
     w, width = shape
+    head = HEADS[encoding]
     # A shape claiming far more than the bytes could hold is refused before anything is
     # allocated (zstd of these tables stays well under 2^14:1 beyond 64 MB).
-    if w < 0 or width < _HEAD or w * width * 8 > max(1 << 26, len(data) << 14):
+    if w < 0 or width < head or w * width * 8 > max(1 << 26, len(data) << 14):
         raise LogCorrupted(f"{where}: a rank table of shape {shape} cannot hold {len(data)} bytes")
     try:
         raw = pa.Codec("zstd").decompress(data, decompressed_size=w * width * 8, asbytes=True)
@@ -341,4 +438,5 @@ def decode(data: bytes, shape: tuple[int, int], attempt: int, where: str) -> Ran
         raise LogCorrupted(f"{where} holds {len(raw)} bytes, not a {w} x {width} rank table")
     # Byte b of column c of rank r is at [b, c, r]: one transposing copy to [r, c, b].
     shuffled = np.frombuffer(raw, np.uint8).reshape(8, width, w)
-    return RankTable(shuffled.transpose(2, 1, 0).copy().view("<i8").reshape(w, width), attempt)
+    rows = shuffled.transpose(2, 1, 0).copy().view("<i8").reshape(w, width)
+    return RankTable(rows, attempt, head)

@@ -12,6 +12,14 @@ checks two things before the loader may produce a batch:
    itself), and
 2. the current order reproduces the sample ids of the last logged batch, so the next
    batch continues the log with no gap and no overlap (the loader's order is the log's).
+
+A marker of rank-table layout 2 (:mod:`ledger.ranks`) records a fingerprint of each
+rank's final batch (epoch, batch index, positions and sample ids), so the second check
+needs no decoding: :func:`replay_by_marker` compares the fingerprint of the batch the
+marker's state and the resuming loader's order imply with the recorded one, while the
+segment's SHA-256 is checked on a background thread (the caller confirms it before any
+batch reaches the training loop). A disagreement, or an older marker, falls back to
+:func:`replay`, which decodes the segment's final batch and names what differs.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from ledger.commits import (
 )
 from ledger.errors import LogCorrupted, ResumeMismatch
 from ledger.order import BatchPlan
+from ledger.ranks import final_batch_fingerprint
 from ledger.schema import BUFFER, ERROR, ROLLBACK, SAMPLE, SKIP, EventChunk
 from ledger.store import Store
 
@@ -169,6 +178,81 @@ def advance(state: PipelineState, plan: BatchPlan) -> PipelineState:
         state.epoch_start,
         state.origin,
     )
+
+
+def replay_by_marker(
+    store: Store,
+    head: Commit,
+    plan: BatchPlan,
+    order: Order,
+    last: np.ndarray,
+    meanwhile: Callable[[], None] | None = None,
+) -> tuple[PipelineState, segments.CheckedLater] | None:
+    """Rank ``plan.rank``'s state at ``head`` checked against the marker's fingerprint of
+    its final batch, without decoding the segment (map-style, same world size).
+
+    The marker's state puts the rank's last batch at ``last`` in its epoch; the state is
+    accepted when it is what one more batch after that gives (:func:`advance`) and the
+    fingerprint of ``(epoch, batch index, last, order's ids at last)``
+    (:func:`ledger.ranks.final_batch_fingerprint`) equals the one the marker recorded
+    from the segment's events at the commit.
+
+    Args:
+        store: the log root.
+        head: the commit to resume from.
+        plan: the rank's plan for the state's epoch (``start`` at its ``epoch_start``).
+        order: the resuming loader's order of that epoch.
+        last: ``int64 (rows,)``: the positions of the last batch the state implies.
+        meanwhile: work to do while the segment is read and hashed in the background,
+            before ``order`` is asked for ids (the map-style pipeline computes the ids of
+            the first request after the state with them).
+
+    Returns:
+        The state and the segment, whose SHA-256 (and presence) is still being checked:
+        the caller must call its :meth:`~ledger.segments.CheckedLater.check` before any
+        batch reaches the training loop. ``None`` when the marker records no
+        fingerprint, or when anything disagrees: then :func:`replay` decodes the segment
+        and names what differs (and :func:`check_final_batch` refuses a marker whose
+        fingerprint alone is wrong).
+    """
+    rank = plan.rank
+    final = head.ranks.final_batch(rank) if head.ranks is not None else None
+    if final is None:
+        return None
+    ref = head.ranks.newest(rank) if head.ranks is not None else None
+    if ref is None:
+        return None
+    recorded = head.state(rank)
+    segment = segments.CheckedLater(store, ref.path, rows=ref.rows, checksum=ref.sha256)
+    if meanwhile is not None:
+        meanwhile()
+    before = PipelineState(
+        rank, recorded.epoch, recorded.epoch_batch - 1, recorded.batch - 1,
+        epoch_start=recorded.epoch_start,
+    )  # fmt: skip
+    if recorded.epoch_batch < 1 or advance(before, plan) != recorded:
+        return None
+    found = final_batch_fingerprint(
+        recorded.epoch, recorded.batch - 1, last, order.sample_ids(last)
+    )
+    if found != final:
+        return None
+    return recorded, segment
+
+
+def check_final_batch(head: Commit, rank: int) -> None:
+    """Refuse a marker whose final-batch fingerprint disagrees with its segment, called
+    when :func:`replay_by_marker` declined and :func:`replay` then found the segment's
+    final batch continuing the log exactly.
+
+    Raises:
+        LogCorrupted: if the marker records a fingerprint for ``rank``.
+    """
+    if head.ranks is not None and head.ranks.final_batch(rank) is not None:
+        raise LogCorrupted(
+            f"commit {head.id} records a fingerprint of rank {rank}'s final batch that "
+            "its segment's events do not have: the marker and its segments disagree"
+        )
 
 
 def replay(

@@ -295,6 +295,17 @@ class CheckedLater:
         if found is not None and self.checksum is not None:
             _check_checksum(self.store, self.rel, found, self.checksum)
 
+    def check(self) -> None:
+        """:meth:`confirm`, and also raise what reading the file raised, for a caller that
+        never asked for :meth:`file` (a resume checked by the marker's fingerprint).
+
+        Raises:
+            LogCorrupted: if the file is missing, unreadable, or its SHA-256 differs from
+                the marker's.
+        """
+        self.confirm()
+        self._data.result()
+
 
 _HASHER: tuple[int, ThreadPoolExecutor] | None = None
 

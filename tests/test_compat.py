@@ -16,6 +16,7 @@ import ledger
 from ledger.audit import connect
 from ledger.cli import main
 from ledger.commits import list_commits, read_commit
+from ledger.compaction import compact
 from ledger.store import Store
 from ledger.testing import take
 
@@ -179,3 +180,97 @@ def test_old_log_audits_the_same_lineage(v1):
         ).fetchall()
     ]
     assert ids == [i for b in batches[:11] for i in b["id"]]
+
+
+# ---------------------------------------------------------------- rank-table layout 1
+# tests/fixtures/ranks1 (by the ledger of e9bb53c): version-2 markers whose rank tables
+# record no fingerprint of each rank's final batch, and a compaction catalog from then.
+
+
+@pytest.fixture
+def ranks1(tmp_path):
+    """Copy of the layout-1 log: ``(root, tokens, batches)``."""
+    root = str(tmp_path / "map")
+    shutil.copytree(os.path.join(FIXTURES, "ranks1", "map"), root)
+    with open(os.path.join(root, "tokens.json")) as f:
+        tokens = {int(k): v for k, v in json.load(f).items()}
+    for t in tokens.values():
+        t["root"] = root
+    with open(os.path.join(root, "batches.json")) as f:
+        batches = json.load(f)
+    return root, tokens, batches
+
+
+def _count_decodes(monkeypatch):
+    import pyarrow.parquet as pq
+
+    decoded: list[int] = []
+    read = pq.ParquetFile.read_row_group
+
+    def counting(self, i, *args, **kwargs):
+        table = read(self, i, *args, **kwargs)
+        decoded.append(table.num_rows)
+        return table
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
+    return decoded
+
+
+def test_ranks1_fixture_has_layout_1():
+    import pyarrow.parquet as pq
+
+    from ledger import ranks
+
+    root = os.path.join(FIXTURES, "ranks1", "map")
+    for name in sorted(os.listdir(os.path.join(root, "commits"))):
+        if name.endswith(".json"):
+            with open(os.path.join(root, "commits", name)) as f:
+                assert json.load(f)["ranks"]["encoding"] == ranks.ENCODING_V1
+    (catalog,) = [n for n in os.listdir(os.path.join(root, "compactions")) if "commits" in n]
+    assert "head" not in pq.read_schema(os.path.join(root, "compactions", catalog)).names
+    commits = list_commits(Store(root))
+    assert len(commits) == 5 and all(c.ranks.head == 26 for c in commits)
+    assert all(c.ranks.final_batch(0) is None for c in commits)
+
+
+@pytest.mark.parametrize("after", [2, 4, 6, 8])
+def test_layout1_log_resumes_exactly_by_decoding(ranks1, monkeypatch, after):
+    root, tokens, batches = ranks1
+    decoded = _count_decodes(monkeypatch)
+    loader = make_v1.map_loader(root)
+    loader.load_state_dict(tokens[after])
+    if after == 8:  # a segment of its own (2, 4 and 6 sit in the compacted file)
+        assert decoded == [5]  # the final batch's 4 samples and its digest row
+    got = [as_lists(b) for b in take(loader, 11 - after)]
+    assert got == batches[after:11]
+
+
+def test_layout2_commit_on_a_layout1_log_resumes_by_the_marker(ranks1, monkeypatch):
+    from ledger import ranks
+
+    root, tokens, batches = ranks1
+    loader = make_v1.map_loader(root)
+    loader.load_state_dict(tokens[8])
+    got = [as_lists(b) for b in take(loader, 2)]
+    token = loader.state_dict()  # layout 2, its parent layout 1
+    head = read_commit(Store(root), token["commit"])
+    assert head.ranks.encoding == ranks.ENCODING and head.ranks.final_batch(0) is not None
+    assert read_commit(Store(root), head.parent).ranks.head == 26
+    decoded = _count_decodes(monkeypatch)
+    resumed = make_v1.map_loader(root)
+    resumed.load_state_dict(token)
+    assert decoded == []  # checked by the marker's fingerprint, not by decoding
+    got += [as_lists(b) for b in take(resumed, 1)]
+    assert got == batches[8:11]
+    runner = CliRunner()
+    verify = runner.invoke(main, ["verify", root])
+    assert verify.exit_code == 0, verify.output
+    compacted = compact(root, target_rows=1 << 20)  # a catalog of both layouts
+    assert compacted.segments >= 2
+    verify = runner.invoke(main, ["verify", root])
+    assert verify.exit_code == 0, verify.output
+    commits = list_commits(Store(root))
+    assert sorted(c.ranks.head for c in commits) == [26] * 5 + [28]
+    again = make_v1.map_loader(root)
+    again.load_state_dict(token)
+    assert [as_lists(b) for b in take(again, 1)] == batches[10:11]

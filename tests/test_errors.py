@@ -90,27 +90,75 @@ def test_malformed_tokens(root):
         loader.load_state_dict({**token, "commit": "000000009999-0000"})
 
 
-@pytest.mark.parametrize("where", ["footer", "first row group"])
-def test_altered_segment_is_detected(root, where):
-    # Resume decodes only the final batch's row group and hashes the file on a
-    # background thread: damage to a part it never decodes is caught by the hash too.
-    token = _token(root)
+def _damage(root, token, where):
     seg = os.path.join(root, read_commit(Store(root), token["commit"]).segments[0].path)
+    if where == "missing":
+        os.unlink(seg)
+        return
     with open(seg, "r+b") as f:
         f.seek(-20, os.SEEK_END) if where == "footer" else f.seek(8)
         f.write(b"\0" * 4)
+
+
+_DAMAGE_MESSAGES = {
+    "footer": "sha256",
+    "first row group": "sha256",
+    "missing": r"seg-000000000003\.parquet named by a commit marker",
+}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("where", ["footer", "first row group", "missing"])
+def test_damaged_newest_segment_is_raised_before_any_batch(root, where, workers):
+    # A resume checks the final batch by the marker's fingerprint and hashes (reads) the
+    # newest segment on a background thread, joined before the first batch is handed
+    # out: load_state_dict returns, and the damage is raised by the first next(), by
+    # every later one and by state_dict(); no batch reaches the loop, nothing is committed.
+    token = _token(root)
+    _damage(root, token, where)
+    commits = sorted(os.listdir(os.path.join(root, "commits")))
+    fresh = ledger.DataLoader(
+        Augmented(20), batch_size=4, shuffle=True, seed=0, log=root, num_workers=workers
+    )
+    fresh.load_state_dict(token)
+    handed: list = []
+    for _ in range(2):
+        with pytest.raises(LogCorrupted, match=_DAMAGE_MESSAGES[where]):
+            handed.extend(take(fresh, 1))
+    with pytest.raises(LogCorrupted, match=_DAMAGE_MESSAGES[where]):
+        fresh.state_dict()
+    with pytest.raises(LogCorrupted, match=_DAMAGE_MESSAGES[where]):
+        fresh.skip(1, reason="test")
+    assert handed == []
+    assert sorted(os.listdir(os.path.join(root, "commits"))) == commits
+    fresh.close()
+
+
+@pytest.mark.parametrize("where", ["footer", "first row group", "missing"])
+def test_damaged_segment_without_a_fingerprint_is_raised_by_load_state_dict(
+    root, where, monkeypatch
+):
+    # A marker recording no fingerprint (rank-table layout 1, tests/test_compat.py) is
+    # resumed by decoding the segment: the damage is raised by load_state_dict itself.
+    from ledger.ranks import RankTable
+
+    monkeypatch.setattr(RankTable, "final_batch", lambda self, rank: None)
+    token = _token(root)
+    _damage(root, token, where)
     fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root)
-    with pytest.raises(LogCorrupted, match="sha256"):
+    with pytest.raises(LogCorrupted, match=_DAMAGE_MESSAGES[where]):
         fresh.load_state_dict(token)
 
 
-def test_a_missing_newest_segment_is_named_on_resume(root):
-    # The segment is read on the checksum's background thread: its error reaches the caller.
+def test_a_fingerprint_that_disagrees_with_its_segment_is_refused(root, monkeypatch):
+    # The segment continues the log exactly but the marker's fingerprint of its final
+    # batch differs: the marker and its segment disagree.
+    from ledger.ranks import RankTable
+
     token = _token(root)
-    seg = os.path.join(root, read_commit(Store(root), token["commit"]).segments[0].path)
-    os.unlink(seg)
+    monkeypatch.setattr(RankTable, "final_batch", lambda self, rank: 12345)
     fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root)
-    with pytest.raises(LogCorrupted, match=r"seg-000000000003\.parquet named by a commit marker"):
+    with pytest.raises(LogCorrupted, match="fingerprint of rank 0's final batch"):
         fresh.load_state_dict(token)
 
 

@@ -807,6 +807,9 @@ class MixedStreamPipeline:
                 out = max(out, st.epoch * n + (int(nxt[0]) if nxt.size else n))
         return out
 
+    def confirm_replay(self) -> None:
+        """Nothing is left running: :meth:`replay` checked everything it read."""
+
     def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
         """Rebuild the rank's state and lane buffers at ``head`` (another shape: see the
         module docstring, 4.).

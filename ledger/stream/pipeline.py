@@ -357,6 +357,9 @@ class StreamPipeline:
         """
         return phase_record(self.config(), current, logged, ("batch_size",), 0)
 
+    def confirm_replay(self) -> None:
+        """Nothing is left running: :meth:`replay` checked everything it read."""
+
     def replay(self, store: Store, head: Commit) -> tuple[PipelineState, list[EventChunk]]:
         """See :func:`ledger.replay.replay_stream`."""
         return replay_stream(self, store, head), []
