@@ -223,7 +223,7 @@ def replay_by_marker(
     if ref is None:
         return None
     recorded = head.state(rank)
-    segment = segments.CheckedLater(store, ref.path, rows=ref.rows, checksum=ref.sha256)
+    segment = segments.CheckedLater(store, ref.path, rows=ref.rows, checksum=ref.sha256, keep=False)
     if meanwhile is not None:
         meanwhile()
     before = PipelineState(

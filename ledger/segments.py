@@ -16,6 +16,8 @@ dictionary-encoded. Measured by ``tools/bench.py`` (N = 10**6, batch 256, a comm
 
 from __future__ import annotations
 
+import hashlib
+import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -24,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ledger.errors import LogCorrupted
+from ledger.errors import LedgerError, LogCorrupted
 from ledger.schema import EVENT_SCHEMA, EventChunk, chunks_to_table
 from ledger.store import Store, sha256
 
@@ -243,20 +245,59 @@ class CheckedLater:
     :meth:`confirm` before it trusts anything it read, and also when reading raised,
     so that an altered file is named as such.
 
+    With ``keep=False`` (a caller that needs only the check, :meth:`check`) a local file
+    is hashed through a read-only memory map instead: no copy of it is made, which
+    slowed the caller's numpy work on the other core by ~0.1 ms per 1.4 MB.
+
     Args:
         store: the log's store.
         rel: relative path of the segment.
         rows: expected number of rows (from the commit marker), or ``None``.
         checksum: expected hex SHA-256 of the file, or ``None`` to skip the check.
+        keep: ``False``: the caller will not ask for :meth:`file`.
     """
 
-    def __init__(self, store: Store, rel: str, *, rows: int | None, checksum: str | None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        rel: str,
+        *,
+        rows: int | None,
+        checksum: str | None,
+        keep: bool = True,
+    ) -> None:
         self.store = store
         self.rel = rel
         self.rows = rows
         self.checksum = checksum
-        self._data: Future[bytes | pa.Table] = Future()
-        self._hash = _hasher().submit(self._read_and_hash)
+        self._data: Future[bytes | pa.Table | None] = Future()
+        self._hash = _hasher().submit(self._read_and_hash if keep else self._hash_mapped)
+
+    def _hash_mapped(self) -> str | None:
+        path = self.store.local_path(self.rel)
+        if path is None or self.checksum is None:
+            return self._read_and_hash()
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except FileNotFoundError:  # perhaps retired by a compaction: read its piece
+            return self._read_and_hash()
+        except OSError as e:
+            self._data.set_exception(LogCorrupted(f"segment {self.store.full(self.rel)}: {e}"))
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                found = sha256(b"")
+            else:
+                with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
+                    found = hashlib.sha256(mapped).hexdigest()
+        except OSError as e:
+            self._data.set_exception(LogCorrupted(f"segment {self.store.full(self.rel)}: {e}"))
+            return None
+        finally:
+            os.close(fd)
+        self._data.set_result(None)
+        return found
 
     def _read_and_hash(self) -> str | None:
         try:
@@ -277,6 +318,8 @@ class CheckedLater:
                 an altered file is named as such rather than as unreadable).
         """
         data = self._data.result()
+        if data is None:
+            raise LedgerError("CheckedLater(keep=False) keeps no bytes to parse")
         if isinstance(data, pa.Table):  # a compacted segment's rows, checked as read
             return pq.ParquetFile(pa.BufferReader(encode(data)))
         try:
