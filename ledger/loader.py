@@ -719,6 +719,13 @@ class DataLoader:
             CommitNotFound: if the token's commit is not in the log.
             LogCorrupted, ResumeMismatch: if replay finds the log inconsistent, or the
                 loader would not continue it exactly.
+
+        Note:
+            On a map-style resume the rank's newest segment is hashed on a background
+            thread while the first batch is fetched: a damaged or missing segment is then
+            a ``LogCorrupted`` raised by the first ``next()`` (and every later one, and
+            ``state_dict()`` and ``skip()``), before any batch is handed out, recorded or
+            committed. The new attempt's record exists by then, as after a crash.
         """
         self._check_open()
         if (skip_batches or skip_steps is not None) and (
