@@ -19,7 +19,7 @@ from conftest import packed_stream
 import ledger
 from ledger.audit import connect
 from ledger.cli import main
-from ledger.compaction import compact, list_compactions, pieces
+from ledger.compaction import compact, list_compactions, pieces, read_table
 from ledger.store import Store
 from ledger.testing import batches_equal, take
 
@@ -166,8 +166,9 @@ def test_a_compaction_before_an_older_commit_and_then_the_rest(tmp_path, pristin
 
 def test_a_log_with_rank_tables_beside_the_markers_reads_the_same(tmp_path, pristine):
     """Logs written before rank tables moved to ``ranks/`` hold them in ``commits/``, where
-    their markers name them: every answer is the same, before and after a compaction, a
-    resume is exact, and new commits on such a log go to ``ranks/``."""
+    their markers name them, and their compactions' catalogs in Parquet:
+    every answer is the same, before and after a compaction, a resume is exact, and new
+    commits on such a log go to ``ranks/``."""
     import json
 
     from ledger.loader import TOKEN_VERSION
@@ -185,6 +186,8 @@ def test_a_log_with_rank_tables_beside_the_markers_reads_the_same(tmp_path, pris
     assert answers(root) == before
     assert compact(root).segments == 4
     assert answers(root) == before
+    _as_parquet(root)
+    assert answers(root) == before
     with open(os.path.join(root, "run.json")) as f:
         run_id = json.load(f)["run_id"]
     token = {"version": TOKEN_VERSION, "root": root, "run_id": run_id, "attempt": 1}
@@ -196,6 +199,36 @@ def test_a_log_with_rank_tables_beside_the_markers_reads_the_same(tmp_path, pris
     new = resumed.state_dict()["commit"]
     assert os.listdir(os.path.join(root, "ranks")) == [f"{new}.ranks"]
     assert CliRunner().invoke(main, ["verify", root]).exit_code == 0
+
+
+def _as_parquet(root: str) -> None:
+    """The root's compactions' catalogs rewritten as Parquet files named ``.parquet``, as
+    compactions wrote them before, their markers naming the new files."""
+    import hashlib
+    import json
+
+    import pyarrow as pa
+
+    for marker_path in glob.glob(os.path.join(root, "compactions", "*.json")):
+        with open(marker_path) as f:
+            marker = json.load(f)
+        with open(os.path.join(root, marker["pieces"]["path"]), "rb") as f:
+            assert f.read(4) == b"PAR1"  # what any engine reads
+        for key in ("catalog",):
+            rel = marker[key]["path"]
+            with open(os.path.join(root, rel), "rb") as f:
+                blob = f.read()
+            assert blob[:6] == b"ARROW1"
+            sink = pa.BufferOutputStream()
+            pq.write_table(read_table(blob), sink, compression="zstd", use_dictionary=False)
+            data = sink.getvalue().to_pybytes()
+            os.remove(os.path.join(root, rel))
+            rel = rel.replace(".arrow", ".parquet")
+            with open(os.path.join(root, rel), "wb") as f:
+                f.write(data)
+            marker[key].update(path=rel, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        with open(marker_path, "w") as f:
+            json.dump(marker, f)
 
 
 @pytest.mark.parametrize("point", ["files", "pieces", "marker", "retire"])
@@ -392,9 +425,10 @@ def _rewrite_catalog(root: str, change) -> None:
     with open(marker_path) as f:
         marker = json.load(f)
     path = os.path.join(root, marker["catalog"]["path"])
-    table = change(pq.read_table(path))
+    with open(path, "rb") as f:
+        table = change(read_table(f.read()))
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
+    pq.write_table(table, sink)  # Parquet, as compactions wrote catalogs before
     data = sink.getvalue().to_pybytes()
     with open(path, "wb") as f:
         f.write(data)
@@ -501,7 +535,7 @@ def test_a_catalog_of_rank_lists_reads_as_one_of_bytes(tmp_path):
         )
 
     _rewrite_catalog(root, torn)
-    with parse_once(), pytest.raises(LogCorrupted, match=r"commits\.parquet is not a catalog"):
+    with parse_once(), pytest.raises(LogCorrupted, match=r"commits\.arrow is not a catalog"):
         read_history(Store(root))
 
 
