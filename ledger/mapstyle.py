@@ -443,7 +443,21 @@ class MapPipeline:
         return state, events
 
     def finish(self, state: PipelineState, start_epoch: int) -> None:
-        return None  # the batch sampler served exactly the epoch's plan
+        """Check, when torch's iterator ends, that it served the epoch's plan to its end.
+
+        Raises:
+            LedgerError: if it ended early: a ``StopIteration`` raised by the dataset in a
+                worker reaches the main process as the iterator's end (torch re-raises it
+                there), which would end the epoch short without a word and leave every
+                later ``iter(loader)`` empty.
+        """
+        if state.epoch == start_epoch:
+            raise LedgerError(
+                f"torch's iterator ended after batch {state.epoch_batch} of "
+                f"{self.plan.batches_per_epoch} of epoch {state.epoch}: the dataset raised "
+                "StopIteration (a worker's StopIteration ends torch's iteration); raise "
+                "another exception (IndexError, ValueError) for a sample it cannot load"
+            )
 
     def snapshot(self, state: PipelineState) -> list[EventChunk]:
         return []  # the order is a pure function of (seed, epoch): no buffer

@@ -77,17 +77,23 @@ class Schedule:
             normalised).
 
     Raises:
-        ValueError: if the first start is not 0, a start is not a multiple of
-            :data:`BLOCK`, or a piece's weights are invalid.
+        UnsupportedArgument: (a ``ValueError``) if the first start is not 0, a start is
+            not a multiple of :data:`BLOCK`, or a piece's weights are invalid.
     """
 
     def __init__(self, pieces: Mapping[int, Mapping[str, float]]) -> None:
+        if not isinstance(pieces, Mapping):
+            raise UnsupportedArgument(
+                f"a Schedule takes a dict of start sample to weights, got {type(pieces).__name__}"
+            )
         starts = sorted(int(s) for s in pieces)
         if not starts or starts[0] != 0:
-            raise ValueError(f"a schedule's first piece starts at sample 0, got {starts[:1]}")
+            raise UnsupportedArgument(
+                f"a schedule's first piece starts at sample 0, got {starts[:1]}"
+            )
         for s in starts:
             if s % BLOCK:
-                raise ValueError(
+                raise UnsupportedArgument(
                     f"schedule boundary {s} is not a multiple of {BLOCK} samples (a mixture "
                     f"realises its weights a block of {BLOCK} positions at a time)"
                 )
@@ -106,14 +112,26 @@ class Schedule:
 
 def _normalised(weights: Mapping[str, float], where: str) -> dict[str, float]:
     out = {}
-    for name, w in weights.items():
-        w = float(w)
+    if not isinstance(weights, Mapping):
+        raise UnsupportedArgument(
+            f"{where}: weights are {type(weights).__name__}, expected a dict of source name "
+            "to weight"
+        )
+    for name, given in weights.items():
+        try:
+            w = float(given)
+        except (TypeError, ValueError):
+            w = math.nan
         if not math.isfinite(w) or w < 0:
-            raise ValueError(f"{where}: weight of {name!r} is {w}; weights are finite and >= 0")
+            raise UnsupportedArgument(
+                f"{where}: weight of {name!r} is {w}; weights are finite and >= 0"
+            )
         out[str(name)] = w
     total = sum(out.values())
     if total <= 0:
-        raise ValueError(f"{where}: the weights sum to {total}; give some source a weight > 0")
+        raise UnsupportedArgument(
+            f"{where}: the weights sum to {total}; give some source a weight > 0"
+        )
     return {name: w / total for name, w in out.items()}
 
 
@@ -148,10 +166,10 @@ class Mixture:
             in rows for streams).
 
     Raises:
-        ValueError: if there is no source, a source is empty, a weight names no
-            source, ``epoch_size < 1``, or streams pack differently.
-        UnsupportedArgument: if a source is a mixture, or neither a map-style dataset
-            nor a stream.
+        UnsupportedArgument: (a ``ValueError``) if there is no source, a source is empty,
+            a mixture, or neither a map-style dataset nor a stream, a weight names no
+            source or is not a finite number >= 0, ``epoch_size < 1``, or streams pack
+            differently.
     """
 
     def __init__(
@@ -163,8 +181,11 @@ class Mixture:
     ) -> None:
         from ledger.stream.spec import Stream
 
-        if not sources:
-            raise ValueError("a Mixture needs at least one source")
+        if not isinstance(sources, Mapping) or not sources:
+            raise UnsupportedArgument(
+                "a Mixture takes a non-empty dict of source name to dataset or Stream, got "
+                f"{sources!r:.60}"
+            )
         self.names: tuple[str, ...] = tuple(str(n) for n in sources)
         self.sources: tuple[Any, ...] = tuple(sources.values())
         streams = [isinstance(ds, Stream) for ds in self.sources]
@@ -202,19 +223,19 @@ class Mixture:
         )
         empty = [n for n, k in zip(self.names, self.lengths.tolist(), strict=True) if k == 0]
         if empty:
-            raise ValueError(f"source {empty[0]!r} is empty")
+            raise UnsupportedArgument(f"source {empty[0]!r} is empty")
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
         self.schedule = weights if isinstance(weights, Schedule) else Schedule({0: weights})
         for start, piece in zip(self.schedule.starts, self.schedule.weights, strict=True):
             unknown = sorted(set(piece) - set(self.names))
             if unknown:
-                raise ValueError(
+                raise UnsupportedArgument(
                     f"the weights at sample {start} name {unknown[0]!r}, which is not a "
                     f"source ({', '.join(self.names)})"
                 )
         self.epoch_size = int(epoch_size if epoch_size is not None else self.offsets[-1])
         if self.epoch_size < 1:
-            raise ValueError(f"epoch_size must be >= 1, got {self.epoch_size}")
+            raise UnsupportedArgument(f"epoch_size must be >= 1, got {self.epoch_size}")
         # Per piece: positions of each source per block; and the first block of each.
         self.counts = np.stack([_counts(w, self.names) for w in self.schedule.weights])
         zero = np.zeros(len(self.names), np.int64)

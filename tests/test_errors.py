@@ -18,6 +18,7 @@ from ledger.commits import read_commit
 from ledger.errors import (
     CommitNotFound,
     ConfigMismatch,
+    LedgerError,
     LogCorrupted,
     ResumeMismatch,
     StorageError,
@@ -26,6 +27,7 @@ from ledger.errors import (
     WrongRoot,
 )
 from ledger.store import Store
+from ledger.stream import Packer, ShardedSource, Stream
 from ledger.testing import take
 
 
@@ -266,3 +268,58 @@ def test_a_root_ledger_cannot_open_is_a_storage_error(monkeypatch):
     assert result.exit_code == 1
     assert result.stderr.startswith("Error: cannot open the log root s3://bucket/run")
     assert len(result.stderr.splitlines()) == 1
+
+
+class _StopsAt3(_Len):
+    def __getitem__(self, i):
+        if i == 3:
+            raise StopIteration  # torch re-raises it in the main process: the iterator's end
+        return i
+
+
+def test_a_workers_stop_iteration_is_not_a_short_epoch(root):
+    """A dataset raising StopIteration in a worker ends torch's iteration early: refused,
+    not an epoch ended short with every later iter(loader) empty."""
+    loader = ledger.DataLoader(_StopsAt3(8), batch_size=2, seed=0, log=root, num_workers=1)
+    with pytest.raises(LedgerError, match="ended after batch 1 of 4 of epoch 0: the dataset"):
+        list(loader)
+
+
+def _stream_args(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "s.parquet"
+    pq.write_table(pa.table({"text": ["a", "b", "c"]}), path)
+    return ShardedSource(str(path))
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda s: Stream(s, shuffle_buffer=-1), "shuffle_buffer must be an int >= 0"),
+        (lambda s: Stream(s, shuffle_buffer=1.5), "shuffle_buffer must be an int >= 0"),
+        (lambda s: Stream("data/*.parquet"), "a Stream reads a ledger.stream.Shard"),
+        (lambda s: Stream(s, transform=3), "transform must be callable"),
+        (lambda s: Packer(seq_len=0), "seq_len must be an int >= 1, got 0"),
+        (lambda s: ledger.Mixture({}, weights={}), "a non-empty dict of source name"),
+        (lambda s: ledger.Mixture([Augmented(4)], weights=[1]), "a non-empty dict"),
+        (lambda s: ledger.Mixture({"a": Augmented(4)}, weights={"a": -1}), "weight of 'a' is -1"),
+        (lambda s: ledger.Mixture({"a": Augmented(4)}, weights={"a": None}), "weight of 'a' is"),
+        (lambda s: ledger.Mixture({"a": Augmented(4)}, weights={"b": 1}), "name 'b', which is"),
+        (lambda s: ledger.Mixture({"a": _Len(0)}, weights={"a": 1}), "source 'a' is empty"),
+    ],
+)
+def test_a_bad_stream_packer_or_mixture_argument_is_refused(tmp_path, make, match):
+    with pytest.raises(UnsupportedArgument, match=match):
+        make(_stream_args(tmp_path))
+
+
+@pytest.mark.parametrize("tokens", [None, "abc", [0.5, 1.5], [2**70]])
+def test_a_transform_giving_no_token_ids_is_named_before_it_is_packed(tmp_path, root, tokens):
+    """With a packer, a transform's item must be integer token ids: floats would be
+    truncated to other tokens without a word, None or a string fail deep in numpy."""
+    stream = Stream(_stream_args(tmp_path), transform=lambda r, c: tokens, packer=Packer(seq_len=4))
+    loader = ledger.DataLoader(stream, batch_size=1, seed=0, log=root)
+    with pytest.raises(UnsupportedArgument, match=r"the transform gave sample 0 .* int token"):
+        list(take(loader, 1))

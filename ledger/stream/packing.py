@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ledger.errors import LedgerError
+from ledger.torch_args import count
 
 Tail = tuple[int, int, int]  # (sample id, tokens already packed, length in tokens)
 
@@ -47,8 +48,9 @@ class Packer:
     pad_id: int = 0
 
     def __post_init__(self) -> None:
-        if self.seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        count("seq_len", self.seq_len, 1)
+        count("eos_id", self.eos_id, -(1 << 63))
+        count("pad_id", self.pad_id, -(1 << 63))
 
 
 class PackState:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ledger.errors import UnsupportedArgument
 from ledger.order import rngs_preserved, sample_seed, seed_globals
 from ledger.stream.packing import assemble
 
@@ -86,13 +87,35 @@ def sample_loader(
             ctx = SampleContext(sid, epoch, None, seed)  # positional: ~0.3 us less per row
         item = transform(record, ctx) if transform else record
         if eos is not None:
-            tokens = np.asarray(item, dtype=np.int64).reshape(-1)
+            tokens = token_ids(item, sid)
             item = np.empty(tokens.size + 1, np.int64)
             item[:-1] = tokens
             item[-1] = eos
         return item, (json.dumps(ctx.draws, sort_keys=True) if ctx.draws else None)
 
     return load
+
+
+def token_ids(item: Any, sid: int) -> np.ndarray:
+    """A transform's item as the token ids a packer takes: integers, flattened.
+
+    Raises:
+        UnsupportedArgument: naming the sample, if the item is not a sequence of
+            integers that fit int64 (``None``, a string, floats: ``astype`` would
+            truncate 0.5 to token 0 without a word).
+    """
+    tokens = np.asarray(item)
+    if tokens.dtype.kind not in "iu" and tokens.size:
+        raise UnsupportedArgument(
+            f"the transform gave sample {sid} {_short(item)} ({type(item).__name__}, dtype "
+            f"{tokens.dtype}): with a packer it must return a 1-D sequence of int token ids"
+        )
+    return tokens.reshape(-1)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def rebuild_batch(

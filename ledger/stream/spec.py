@@ -12,9 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ledger.errors import UnsupportedArgument
 from ledger.stream.packing import Packer
 from ledger.stream.sample import SampleContext
 from ledger.stream.source import ShardedSource
+from ledger.torch_args import count
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +37,21 @@ class Stream:
     packer: Packer | None = None
 
     def __post_init__(self) -> None:
-        if self.shuffle_buffer < 0:
-            raise ValueError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
+        if not isinstance(self.source, ShardedSource):
+            raise UnsupportedArgument(
+                f"a Stream reads a ledger.stream.ShardedSource, got {type(self.source).__name__}"
+                ": wrap the files, e.g. Stream(ShardedSource('data/*.parquet'))"
+            )
+        if self.transform is not None and not callable(self.transform):
+            raise UnsupportedArgument(
+                f"transform must be callable (record, ctx) or None, got "
+                f"{type(self.transform).__name__}"
+            )
+        if self.packer is not None and not isinstance(self.packer, Packer):
+            raise UnsupportedArgument(
+                f"packer must be a ledger.stream.Packer or None, got {type(self.packer).__name__}"
+            )
+        count("shuffle_buffer", self.shuffle_buffer, 0)
 
     def config(self) -> dict[str, Any]:
         """What must not change across a resume (stored in ``run.json``)."""
