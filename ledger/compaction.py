@@ -658,7 +658,8 @@ def piece_events(
     decodes and casts each group once.
 
     Raises:
-        LogCorrupted: if the compacted file is missing or holds other rows.
+        LogCorrupted: if the compacted file is missing, differs from the size and SHA-256
+            its compaction names, or holds other rows.
     """
     cache = command_cache()
     key = ("compacted", store.uri, piece.path)
@@ -671,7 +672,20 @@ def piece_events(
                 f"{store.full(piece.path)}, which holds segment {rel} since a compaction, "
                 "is missing"
             ) from e
-        whole = pq.ParquetFile(pa.BufferReader(data))
+        # Checked as the scan checks it (``ledger where``, ``audit``): whole, once per
+        # command, so that show and reconstruct never answer from altered bytes.
+        named = [f for c in list_compactions(store) for f in c.files if f.path == piece.path]
+        if not named or any(len(data) != f.bytes or sha256(data) != f.sha256 for f in named):
+            raise LogCorrupted(
+                f"compacted file {store.full(piece.path)} differs from the size or SHA-256 "
+                "its compaction names: it was altered"
+            )
+        try:
+            whole = pq.ParquetFile(pa.BufferReader(data))
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise LogCorrupted(
+                f"{store.full(piece.path)} is not a readable Parquet file: {e}"
+            ) from e
         if cache is not None:  # one command reads the pieces of a file in a row
             for k in [k for k in cache if k[0] in ("compacted", "compacted groups")]:
                 del cache[k]
