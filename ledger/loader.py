@@ -267,10 +267,13 @@ class DataLoader:
                 f"rank={rank} is outside world_size={world_size}: pass 0 <= rank < world_size"
             )
         num_workers = torch_args.count("num_workers", num_workers, 0)
-        if not isinstance(log, (str, os.PathLike, Ledger)):
+        if not isinstance(log, Ledger) and (
+            not isinstance(log, (str, os.PathLike)) or not str(os.fspath(log)).strip()
+        ):
             raise UnsupportedArgument(
                 f"log must be the log root (a path or URI such as s3://bucket/run) or a "
-                f"ledger.Ledger, got {type(log).__name__}"
+                f"ledger.Ledger, got {log!r:.60} ({type(log).__name__}); an empty path would write "
+                "the log into the current directory"
             )
         self.dataset = dataset
         self.batch_size = batch_size
