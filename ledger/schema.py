@@ -402,15 +402,30 @@ def _per_chunk(
     return pa.array(np.repeat(np.array(values, dtype.to_pandas_dtype()), width or rows))
 
 
-@functools.lru_cache(maxsize=16)
 def _filled(rows: int, value: int | None, dtype: pa.DataType) -> pa.Array:
-    """A column of ``rows`` times ``value`` (``None``: nulls). Arrow arrays are immutable,
-    so the row groups of a segment, all of the same size, share one (each costs a
-    memset of up to 0.5 MB otherwise, ~9 columns of a map-style row group); the cache
-    holds at most 16, ~8 MB at 2**16 rows."""
+    """A column of ``rows`` times ``value`` (``None``: nulls).
+
+    Arrow arrays are immutable, so the row groups of a segment, all of the same size,
+    share one (each costs a memset of up to 0.5 MB otherwise, ~9 columns of a map-style
+    row group). Only columns of up to :data:`_SHARED_ROWS` rows are kept (at most 16,
+    ~8 MB): a whole segment's or a journal's table is made once, and holding its columns
+    would hold their memory.
+    """
+    if rows <= _SHARED_ROWS:
+        return _shared(rows, value, dtype)
+    return _fill(rows, value, dtype)
+
+
+def _fill(rows: int, value: int | None, dtype: pa.DataType) -> pa.Array:
     if value is None:
         return pa.nulls(rows, dtype)
     return pa.array(np.full(rows, value, dtype.to_pandas_dtype()))
+
+
+_shared = functools.lru_cache(maxsize=16)(_fill)
+_SHARED_ROWS = 1 << 17
+"""Rows of the largest column :func:`_filled` keeps: a segment builder's row group
+(:data:`ledger.segments.ROW_GROUP_ROWS` events and their batch rows) fits."""
 
 
 def _digests(digests: tuple[bytes | None, ...], rows: np.ndarray, total: int) -> pa.Array:
