@@ -344,3 +344,60 @@ def test_stream_rejects_drop_last(shards, root):
         ledger.DataLoader(
             Stream(ShardedSource(os.path.join(shards, "*"))), batch_size=2, log=root, drop_last=True
         )
+
+
+def test_transform_context_is_each_rows_own_even_when_reused(shards):
+    """A worker hands the transform one context object again when nothing kept the last
+    one; a transform that keeps it, its rng or its draws sees each row's own values."""
+    from ledger.stream.sample import sample_loader
+
+    kept = []
+
+    def transform(record, ctx):
+        value = int(ctx.rng.integers(0, 1 << 30)) if record["id"] % 2 else 0
+        if record["id"] % 3 == 0:
+            ctx.record(id=record["id"])
+        if record["id"] % 4 == 0:
+            kept.append((ctx, ctx.draws, ctx.sample_id, record["id"]))
+        return value
+
+    source = ShardedSource(os.path.join(shards, "*"))
+    rows = source.read(range(TOTAL))
+    reused = sample_loader(Stream(source, transform), 7, 2, per_sample_rng=False)
+    got = [reused(sid, row) for sid, row in zip(range(TOTAL), rows, strict=True)]
+    # The same rows, each through a loader of its own (a fresh context each).
+    fresh = [
+        sample_loader(Stream(source, transform), 7, 2, per_sample_rng=False)(sid, row)
+        for sid, row in zip(range(TOTAL), rows, strict=True)
+    ]
+    assert got == fresh
+    assert [d for _, d in got] == [
+        json.dumps({"id": i}) if i % 3 == 0 else None for i in range(TOTAL)
+    ]
+    for ctx, draws, sid, i in kept:  # what it kept did not change under later rows
+        assert ctx.sample_id == sid == i
+        assert ctx.draws is draws and draws == ({"id": i} if i % 3 == 0 else {})
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        *([], [5, 6], [5, True], [[1, 2], [3, 4]], [1, [2, 3]], np.arange(4, dtype=np.int32)),
+        *((1, 2), [np.int32(3), 4], [1, 2.5], [2.5, 1], [True, False], [1, "a"], [1, 2**70]),
+    ],
+)
+def test_packed_item_is_its_token_ids_then_eos(item):
+    """The one-conversion path for a list of ints gives what token_ids gives, and
+    refuses what it refuses."""
+    from ledger.errors import UnsupportedArgument
+    from ledger.stream.sample import _with_eos, token_ids
+
+    try:
+        want = [*token_ids(item, 3).astype(np.int64).tolist(), 9]
+    except (UnsupportedArgument, ValueError) as e:
+        with pytest.raises(type(e)):
+            _with_eos(item, 9, 3)
+        return
+    tokens = _with_eos(item, 9, 3)
+    assert tokens.dtype == np.int64 and tokens.ndim == 1
+    assert tokens.tolist() == want

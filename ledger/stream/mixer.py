@@ -26,7 +26,7 @@ from ledger.stream.lanes import Lanes, Positions, lane_feed, lane_ids, source_se
 from ledger.stream.packing import PackState, Tail, assemble
 from ledger.stream.sample import load_sample
 from ledger.stream.shuffle import Piece
-from ledger.stream.worker import BatchMeta, _drawn, carry_failures
+from ledger.stream.worker import BatchMeta, _drawn, carry_failures, in_worker
 
 if TYPE_CHECKING:
     from ledger.mixture import Mixture
@@ -262,6 +262,8 @@ class MixedDataset(tud.IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[BatchMeta, Any]]:
         info = torch.utils.data.get_worker_info()
+        if info is not None:
+            in_worker()
         start = self.start
         assert start is not None
         g = ((info.id if info is not None else 0) + start.next_worker) % self.workers

@@ -4,6 +4,7 @@ batch of a stream made again from its samples."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -76,24 +77,60 @@ def sample_loader(
     """
     transform = stream.transform
     packer = stream.packer
-    eos = np.int64(packer.eos_id) if packer is not None else None
+    eos = int(packer.eos_id) if packer is not None else None
+    refs = sys.getrefcount
+    spare: list[SampleContext] = []  # a context no one holds, for the next row
 
     def load(sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
         if per_sample_rng:
             s = sample_seed(seed, epoch, sid)
             seed_globals(s)
             ctx = SampleContext(sid, epoch, s)
+        elif spare:  # ~0.4 µs less per row than a new one
+            ctx = spare.pop()
+            ctx.sample_id = sid
+            if ctx._rng is not None:
+                ctx._rng = ctx._seed = None
+            if ctx.draws:
+                ctx.draws = {}  # a new dict: one the transform kept stays as it was
         else:  # the seed is derived only if the transform asks for ctx.rng
             ctx = SampleContext(sid, epoch, None, seed)  # positional: ~0.3 us less per row
-        item = transform(record, ctx) if transform else record
+        if transform is None:
+            item: Any = record
+        else:
+            held = refs(ctx)
+            item = transform(record, ctx)
+            if refs(ctx) == held and not per_sample_rng:
+                # The transform kept no reference to it (in what it returned or
+                # elsewhere), so no one can see it change: reused for the next row.
+                spare.append(ctx)
         if eos is not None:
-            tokens = token_ids(item, sid)
-            item = np.empty(tokens.size + 1, np.int64)
-            item[:-1] = tokens
-            item[-1] = eos
+            item = _with_eos(item, eos, sid)
         return item, (json.dumps(ctx.draws, sort_keys=True) if ctx.draws else None)
 
     return load
+
+
+def _with_eos(item: Any, eos: int, sid: int) -> np.ndarray:
+    """A packed sample's tokens: :func:`token_ids` of ``item``, then ``eos`` (``int64``).
+
+    Raises:
+        UnsupportedArgument: as :func:`token_ids`.
+    """
+    if type(item) is list and item and type(item[0]) is int:
+        # The common case, in one conversion (~3 µs less for 100 tokens). A list led by
+        # an int converts to int64 with the EOS exactly when it does without it.
+        try:
+            tokens = np.array([*item, eos])
+        except ValueError:  # nested lists: flattened by token_ids
+            tokens = None
+        if tokens is not None and tokens.dtype == np.int64 and tokens.ndim == 1:
+            return tokens
+    flat = token_ids(item, sid)
+    tokens = np.empty(flat.size + 1, np.int64)
+    tokens[:-1] = flat
+    tokens[-1] = eos
+    return tokens
 
 
 def token_ids(item: Any, sid: int) -> np.ndarray:

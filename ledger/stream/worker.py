@@ -15,6 +15,7 @@ row; at the end of the stream the remaining slots are drawn without replacement)
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -497,6 +498,8 @@ class StreamDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[BatchMeta, Any]]:
         info = torch.utils.data.get_worker_info()
+        if info is not None:
+            in_worker()
         start = self.start
         worker = ((info.id if info is not None else 0) + start.next_worker) % self.workers
         # In the main process the global RNGs belong to the training loop: per-sample
@@ -527,6 +530,18 @@ class StreamDataset(torch.utils.data.IterableDataset):
             if self.digest:
                 item[0].digest = digest_bytes(item[1])
             yield item
+
+
+def in_worker() -> None:
+    """Called as a stream's DataLoader worker starts its epoch: moves the objects the
+    worker inherited from the main process (torch, the training loop's) to the garbage
+    collector's permanent generation (:func:`gc.freeze`), so the worker's full
+    collections traverse only its own objects: ~0.1 s less per full collection, and no
+    copy-on-write of the inherited pages those collections would write to. A stream's
+    workers live one epoch (``persistent_workers=False``), so nothing they inherited
+    needs collecting there.
+    """
+    gc.freeze()
 
 
 def identity(item: Any) -> Any:
