@@ -185,7 +185,6 @@ def test_a_log_with_rank_tables_beside_the_markers_reads_the_same(tmp_path, pris
     os.rmdir(os.path.join(root, "ranks"))
     assert answers(root) == before
     assert compact(root).segments == 4
-    assert answers(root) == before
     _as_parquet(root)
     assert answers(root) == before
     with open(os.path.join(root, "run.json")) as f:
