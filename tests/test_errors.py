@@ -295,6 +295,13 @@ def _stream_args(tmp_path):
     return ShardedSource(str(path))
 
 
+def _not_parquet(source: ShardedSource) -> str:
+    path = os.path.join(os.path.dirname(source.files[0]), "bad.parquet")
+    with open(path, "wb") as f:
+        f.write(b"PAR1 not parquet PAR1")
+    return path
+
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [
@@ -303,6 +310,7 @@ def _stream_args(tmp_path):
         (lambda s: Stream("data/*.parquet"), "a Stream reads a ledger.stream.Shard"),
         (lambda s: Stream(s, transform=3), "transform must be callable"),
         (lambda s: Packer(seq_len=0), "seq_len must be an int >= 1, got 0"),
+        (lambda s: ShardedSource(_not_parquet(s)), "bad.parquet is not a readable Parquet file"),
         (lambda s: ledger.Mixture({}, weights={}), "a non-empty dict of source name"),
         (lambda s: ledger.Mixture([Augmented(4)], weights=[1]), "a non-empty dict"),
         (lambda s: ledger.Mixture({"a": Augmented(4)}, weights={"a": -1}), "weight of 'a' is -1"),

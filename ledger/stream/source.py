@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from ledger.errors import CommitConflict, ConfigMismatch
+from ledger.errors import CommitConflict, ConfigMismatch, UnsupportedArgument
 from ledger.store import Files, Store
 
 _JSONL_BLOCK = 1024  # lines read per request when streaming a JSONL shard
@@ -96,7 +96,7 @@ class ShardedSource:
             elif path.endswith((".jsonl", ".json")):
                 infos.append(self._index_jsonl(path))
             else:
-                raise ValueError(f"{path} is neither .parquet nor .jsonl")
+                raise UnsupportedArgument(f"{path} is neither .parquet nor .jsonl")
         self.infos = tuple(infos)
         rows = np.array([i.rows for i in infos], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
@@ -312,8 +312,11 @@ class ShardedSource:
 
     def _index_parquet(self, path: str) -> FileInfo:
         size = self._files.size(path)
-        with self._files.open(path) as f:
-            meta = pq.ParquetFile(f).metadata
+        try:
+            with self._files.open(path) as f:
+                meta = pq.ParquetFile(f).metadata
+        except pa.ArrowInvalid as e:  # no footer, a bad magic: not Parquet
+            raise UnsupportedArgument(f"{path} is not a readable Parquet file: {e}") from e
         counts = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         self._row_groups.append(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
         self._lines.append(np.zeros(0, np.int64))
