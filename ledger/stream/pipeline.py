@@ -245,16 +245,16 @@ class StreamPipeline:
         replica = self.replicas[worker]
         placed = replica.fold(meta)
         spans = meta.spans
+        # Positional arguments: keywords cost ~0.8 µs more per batch.
         if spans is None:
             chunk = EventChunk(
                 SAMPLE, state.epoch, state.batch, worker, 0, meta.sample_ids,
-                positions=placed, values=meta.draws, digest=meta.digest,
+                placed, None, None, None, meta.draws, meta.digest,
             )  # fmt: skip
         else:
             chunk = EventChunk(
                 SPAN, state.epoch, state.batch, worker, 0, meta.sample_ids,
-                positions=placed, token_start=spans[:, 0], token_end=spans[:, 1],
-                length=spans[:, 2], values=meta.draws, digest=meta.digest,
+                placed, spans[:, 0], spans[:, 1], spans[:, 2], meta.draws, meta.digest,
             )  # fmt: skip
         events = [chunk]
         if meta.failures:
