@@ -79,6 +79,20 @@ class _Group(click.Group):
             ) from e
 
 
+class _Count(click.IntRange):
+    """An integer >= 0 that fits int64 (batches, ranks, sample counts are int64 in the log
+    and its views: a larger one is a usage error, not an overflow inside Arrow)."""
+
+    def __init__(self) -> None:
+        super().__init__(min=0, max=(1 << 63) - 1)
+
+    def _describe_range(self) -> str:
+        return "0<=x<2**63"
+
+
+_COUNT = _Count()
+
+
 def _one_line(message: str) -> str:
     """First non-empty line of ``message`` (DuckDB appends a caret diagram on more lines)."""
     return next((line.strip() for line in message.splitlines() if line.strip()), message)
@@ -191,7 +205,7 @@ def _commit(root: str, text: str | None) -> str | None:
 )
 @click.option(
     "--allow-uncommitted",
-    type=click.IntRange(min=0),
+    type=_COUNT,
     default=0,
     show_default=True,
     metavar="BATCHES",
@@ -201,7 +215,7 @@ def _commit(root: str, text: str | None) -> str | None:
 )
 @click.option(
     "--max-rows",
-    type=click.IntRange(min=0),
+    type=_COUNT,
     default=40,
     show_default=True,
     help="With --sql and --format table: rows shown, half from the start and half from the "
@@ -209,7 +223,7 @@ def _commit(root: str, text: str | None) -> str | None:
 )
 @click.option(
     "--max-skew",
-    type=click.IntRange(min=0),
+    type=_COUNT,
     metavar="SAMPLES",
     help="Limit of the skew check, in samples [default: the batch size].",
 )
@@ -303,6 +317,8 @@ def audit(
         return
     if sql == "-":
         sql = sys.stdin.read()
+    if not sql.strip():
+        raise click.BadParameter("the query is empty", param_hint="'--sql'")
     with _progress("running query"):
         con = connect(root, head)
     try:
@@ -361,6 +377,8 @@ def _audit_spark(
         return
     if sql == "-":
         sql = sys.stdin.read()
+    if not sql.strip():
+        raise click.BadParameter("the query is empty", param_hint="'--sql'")
     with _progress("running query on Spark"):
         engine.register(session, root, head)
         frame = session.sql(sql)
@@ -501,8 +519,8 @@ def _load_object(spec: str, kwargs: str | None) -> Any:
 
 @main.command("show")
 @click.argument("root")
-@click.option("--batch", required=True, type=click.IntRange(min=0), help="Batch index.")
-@click.option("--rank", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--batch", required=True, type=_COUNT, help="Batch index.")
+@click.option("--rank", default=0, show_default=True, type=_COUNT)
 @_head_option
 @click.option(
     "--materialize",
@@ -707,7 +725,7 @@ def compact_command(root: str, before: str | None) -> None:
     metavar="START:STOP",
     help="With --data: the batch indexes to re-create [default: every committed batch].",
 )
-@click.option("--rank", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--rank", default=0, show_default=True, type=_COUNT)
 @output_options
 def verify_command(
     root: str,

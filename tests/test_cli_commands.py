@@ -18,6 +18,7 @@ from logfactory import example_log
 import ledger
 from ledger.cli import CHECK_FAILED, main
 from ledger.digest import batch_digest
+from ledger.testing import take
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -409,3 +410,20 @@ def test_every_command_is_documented_in_the_readme() -> None:
         assert "Example:" in help_text, f"ledger {name} --help has no example"
     for check in ("coverage", "duplicates", "skips", "abandoned", "progress", "skew"):
         assert f"`{check}`" in readme, f"check {check} not in README.md"
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["show", "{root}", "--batch", str(2**64)], "--batch': 18446744073709551616 is not in"),
+        (["audit", "{root}", "--sql", " "], "Invalid value for '--sql': the query is empty"),
+    ],
+)
+def test_a_batch_beyond_int64_or_an_empty_query_is_a_usage_error(tmp_path, args, match):
+    """Not an 'unexpected TypeError' from Arrow, nor an AttributeError on no result."""
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(list(range(8)), batch_size=2, seed=0, log=root)
+    list(take(loader, 1))
+    loader.state_dict()
+    result = CliRunner().invoke(main, [a.format(root=root) for a in args])
+    assert result.exit_code == 2 and match in result.output, result.output
