@@ -376,10 +376,19 @@ def _fetch(
     for the one-by-one retry of a ``__getitems__`` that raised (``None``: not seeded)."""
     if getitems is not None:
         try:
-            return list(getitems(id_list)), []
+            got = list(getitems(id_list))
         except Exception:
             if not skip_errors:
                 raise
+        else:
+            if len(got) == len(id_list):
+                return got, []
+            # The log would name samples the model never got (or not name ones it got).
+            if not skip_errors:
+                raise UnsupportedArgument(
+                    f"the dataset's __getitems__ returned {len(got)} items for "
+                    f"{len(id_list)} ids: it must return one item per id, in order"
+                )
         if reseed is not None:  # the per-sample retry draws as if it came first
             reseed()
     elif not skip_errors:  # torch's own fetch: a sample that raises stops the batch

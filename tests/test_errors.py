@@ -332,3 +332,15 @@ def test_a_transform_giving_no_token_ids_is_named_before_it_is_packed(tmp_path, 
     loader = ledger.DataLoader(stream, batch_size=1, seed=0, log=root)
     with pytest.raises(UnsupportedArgument, match=r"the transform gave sample 0 .* int token"):
         list(take(loader, 1))
+
+
+class _Batched(_Len):
+    def __getitems__(self, ids):
+        return list(ids)[:-1]  # one item short
+
+
+def test_a_getitems_returning_another_number_of_items_is_refused(root):
+    """The log would name a sample the model never received."""
+    loader = ledger.DataLoader(_Batched(8), batch_size=2, seed=0, log=root)
+    with pytest.raises(UnsupportedArgument, match="__getitems__ returned 1 items for 2 ids"):
+        list(take(loader, 1))
