@@ -320,12 +320,24 @@ def find_run(store: Store) -> dict[str, Any] | None:
     for key, kind in _RUN_CONFIG.items():
         # A seed is any integer torch.manual_seed takes: up to 2**64 - 1.
         top = SEED_MAX if key == "seed" else INT64_MAX
-        require(config, key, kind, f"{where}, config", default=None, nullable=True, maximum=top)
+        require(
+            config,
+            key,
+            kind,
+            f"{where}, config",
+            default=None,
+            nullable=key not in _RUN_REQUIRED,  # every writer puts a number there
+            minimum=_RUN_REQUIRED.get(key),
+            maximum=top,
+        )
     return run
 
 
 SEED_MAX = (1 << 64) - 1
 """The largest seed a run may have (``torch.manual_seed``'s); the smallest is -2**63."""
+
+# Config keys that, when present, hold a number (never null), and their smallest value.
+_RUN_REQUIRED: dict[str, int | None] = {"dataset_len": 0, "batch_size": 1, "seed": None}
 
 # Config keys readers rely on, with their types (checked when present).
 _RUN_CONFIG: dict[str, type | tuple[type, ...]] = {

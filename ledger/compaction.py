@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from ledger import segments
+from ledger import segments, validate
 from ledger.commits import (
     Commit,
     command_cache,
@@ -124,6 +124,17 @@ class CompactedFile:
     rows: int
     bytes: int
     sha256: str
+
+
+def _compacted_file(f: Any, where: str) -> CompactedFile:
+    """A ``files`` entry of a compaction marker, each field checked (LogCorrupted)."""
+    f = validate.obj(f, where)
+    return CompactedFile(
+        validate.relative_path(f, "path", where),
+        validate.require(f, "rows", int, where, minimum=0),
+        validate.require(f, "bytes", int, where, minimum=0),
+        validate.sha256_hex(f, "sha256", where),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,14 +230,27 @@ def read_compaction(store: Store, cid: str) -> Compaction:
     """
     rel = compaction_path(cid)
     try:
-        data = json.loads(store.read_bytes(rel))
-        files = tuple(CompactedFile(**f) for f in data["files"])
-        ref = data["pieces"]
+        name = store.full(rel)
+        data = validate.obj(json.loads(store.read_bytes(rel)), name)
+        files = tuple(
+            _compacted_file(f, f"{name}: files[{i}]")
+            for i, f in enumerate(validate.items(data, "files", name))
+        )
+        ref = validate.obj(validate.require(data, "pieces", dict, name), f"{name}: pieces")
+        ref = {
+            "path": validate.relative_path(ref, "path", f"{name}: pieces"),
+            "sha256": validate.sha256_hex(ref, "sha256", f"{name}: pieces"),
+        }
         blob = store.read_bytes(ref["path"])
-        before, created = str(data["before"]), str(data["created_at"])
-        catalog = data.get("catalog")
+        before = validate.require(data, "before", str, name)
+        created = validate.require(data, "created_at", str, name)
+        catalog = validate.require(data, "catalog", dict, name, default=None, nullable=True)
         if catalog is not None:
-            catalog = {"path": str(catalog["path"]), "sha256": str(catalog["sha256"])}
+            where = f"{name}: catalog"
+            catalog = {
+                "path": validate.relative_path(catalog, "path", where),
+                "sha256": validate.sha256_hex(catalog, "sha256", where),
+            }
     except FileNotFoundError as e:
         raise LogCorrupted(f"{store.full(rel)} names a missing file: {e}") from e
     except (ValueError, KeyError, TypeError) as e:

@@ -4,6 +4,7 @@ at any point leaves a valid log; training may run meanwhile; S3 roots too."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -589,3 +590,38 @@ def test_the_lineage_of_columnar_commits_follows_branches_and_names_a_break():
         of(["c2", "c0", "c1"]).lineage(2)
     with pytest.raises(LogCorrupted, match="commit c1 names parent c9, which does not exist"):
         of([None, "c9", "c1"]).lineage(2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("path", None, "field 'path' is None (NoneType), expected a string"),
+        ("path", ["x"], "field 'path' is ['x'] (list), expected a string"),
+        (
+            "path",
+            "../outside.parquet",
+            "field 'path' is '../outside.parquet', not a path in the root",
+        ),
+        ("rows", -1, "field 'rows' is -1, expected at least 0"),
+        ("sha256", True, "field 'sha256' is True (bool), expected a string"),
+    ],
+)
+def test_a_mangled_compaction_marker_is_named(tmp_path, pristine, field, value, message):
+    """A compaction marker's ``files`` entries are checked field by field: a wrong type is
+    LogCorrupted naming the marker and the field (before: ArrowInvalid or TypeError from
+    every command)."""
+    root, _ = copy_of(pristine, tmp_path)
+    compact(root)
+    (marker,) = glob.glob(os.path.join(root, "compactions", "*.json"))
+    with open(marker) as f:
+        doc = json.load(f)
+    doc["files"][0][field] = value
+    with open(marker, "w") as f:
+        json.dump(doc, f)
+    for args in (["audit", root], ["where", root, "--sample", "1"], ["show", root, "--batch", "1"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1, (args, result.output)
+        assert "compactions/" in result.stderr and f"files[0]: {message}" in result.stderr, (
+            args,
+            result.stderr,
+        )

@@ -9,7 +9,9 @@ the only outcomes allowed are a result, a failed check (exit 3) or one ``Error:`
 from __future__ import annotations
 
 import contextlib
+import csv
 import glob
+import io
 import json
 import os
 import shutil
@@ -548,6 +550,30 @@ def test_an_integer_beyond_int64_is_named_not_an_overflow(pristine, tmp_path, re
     assert verified.exit_code == 3 and "expected at most" in verified.output, verified.output
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("dataset_len", None, "expected an integer"),
+        ("batch_size", None, "expected an integer"),
+        ("seed", None, "expected an integer"),
+        ("dataset_len", -1, "expected at least 0"),
+        ("batch_size", 0, "expected at least 1"),
+    ],
+)
+def test_a_run_config_without_its_numbers_is_named(pristine, tmp_path, key, value, expected):
+    """Every writer puts a number in run.json's dataset_len, batch_size and seed: a null or
+    out-of-range one is damage named with its field (before: TypeError from int(None) in
+    audit and report, a KeyError in show --materialize)."""
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    _set(root, "run.json", ("config", key), value)
+    for args in (["audit", root], ["report", root, "--out", str(tmp_path / "r.html")]):
+        result = _cli(*args)
+        assert result.exit_code == 1, result.output
+        assert f"run.json, config: field '{key}' is {value}" in result.stderr, result.stderr
+        assert expected in result.stderr
+
+
 def test_verify_names_an_attempt_whose_parent_is_no_commit(pristine, tmp_path):
     root = str(tmp_path / "log")
     shutil.copytree(pristine, root)
@@ -555,6 +581,9 @@ def test_verify_names_an_attempt_whose_parent_is_no_commit(pristine, tmp_path):
     result = _cli("verify", root, "--format", "csv")
     assert result.exit_code == 3, result.output
     assert "0000.json: field 'parent' is '000000000099-0000', which no commit" in result.output
+    got = {row["check"]: row["ok"] for row in csv.DictReader(io.StringIO(result.stdout))}
+    assert got["chain"] == "False" and got["markers"] == "True"  # a finding, not unreadable
+    assert got["segments"] == "True"  # the other checks still ran
 
 
 def test_an_attempt_record_without_its_start_time_still_reports(pristine, tmp_path):

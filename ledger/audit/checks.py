@@ -349,12 +349,17 @@ class Verification:
 
 
 @parsing_once
-def _check_attempts(store: Store, ids: set[str]) -> None:
-    """Every attempt record parses and names as its parent a commit that has a marker.
+def _check_attempts(store: Store, ids: set[str]) -> list[str]:
+    """Every attempt record parses; the ones whose parent is no commit of the log.
+
+    Returns:
+        One problem per attempt record that resumed from a commit without a marker (a
+        finding of the ``chain`` check, beside the commits whose parent is missing).
 
     Raises:
-        LogCorrupted: naming the record and the field.
+        LogCorrupted: naming the record and the field, if one does not parse.
     """
+    problems = []
     for name in store.ls("attempts"):
         if not ATTEMPT_NAME.match(name):
             continue  # a stray file, ignored by every reader
@@ -363,19 +368,20 @@ def _check_attempts(store: Store, ids: set[str]) -> None:
         except FileNotFoundError:
             continue  # removed since the listing
         if parent is not None and parent not in ids:
-            raise LogCorrupted(
+            problems.append(
                 f"{store.full(f'attempts/{name}')}: field 'parent' is {parent!r}, which no "
                 "commit marker is: the attempt resumed from a commit the log no longer has"
             )
+    return problems
 
 
 def verify(root: str, progress: Progress | None = None) -> Verification:
     """Check the log's integrity: markers, commit chain, every segment, duplicates.
 
-    - ``markers``: every commit marker, attempt record and ``run.json`` parse, and each
-      attempt's parent is a commit of the log.
-    - ``chain``: every parent exists, no chain loops, a child's step is not below its
-      parent's, every rank of the world size has a state.
+    - ``markers``: every commit marker, attempt record and ``run.json`` parse.
+    - ``chain``: every parent exists (a commit's and an attempt record's), no chain
+      loops, a child's step is not below its parent's, every rank of the world size has
+      a state.
     - ``segments``: every segment a marker names exists, has the marker's size, SHA-256
       and row count, is a readable Parquet file with the event schema, and holds only
       its own attempt and rank (Parquet statistics).
@@ -401,7 +407,7 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
     try:
         config = read_run(store)["config"]
         commits = list_commits(store, catalog=False)  # the markers themselves
-        _check_attempts(store, {c.id for c in commits})
+        orphaned_attempts = _check_attempts(store, {c.id for c in commits})
         differ = _differ_from_catalog(store, commits)
     except LogCorrupted as e:
         return Verification((CheckResult("markers", False, str(e)),), 0, 0, 0)
@@ -415,7 +421,7 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
         if differ
         else CheckResult("markers", True, f"{len(commits)} commit markers parse")
     )
-    results.append(_chain(commits))
+    results.append(_chain(commits, orphaned_attempts))
     # One pass over the segments: each is read once, checked against its marker, and
     # (in the default head's lineage) counted for the duplicates check.
     chain: set[str] = set()
@@ -589,7 +595,7 @@ def _duplicates(scanned: ScanResult) -> CheckResult:
     )
 
 
-def _chain(commits: list[Commit]) -> CheckResult:
+def _chain(commits: list[Commit], attempts: list[str]) -> CheckResult:
     by_id = {c.id: c for c in commits}
     problems = []
     for c in commits:
@@ -617,6 +623,7 @@ def _chain(commits: list[Commit]) -> CheckResult:
             on_path.add(cur.id)
             cur = by_id.get(cur.parent) if cur.parent is not None else None
         done.update(path)
+    problems += attempts  # after the commits': a missing marker names its children first
     if problems:
         return CheckResult("chain", False, "; ".join(problems[:3]))
     return CheckResult("chain", True, "every parent exists, steps never go back")

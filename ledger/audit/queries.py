@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ledger import segments
+from ledger import segments, validate
 from ledger.audit.scan import read_verified
 from ledger.audit.views import connect
 from ledger.commits import (
@@ -532,9 +532,10 @@ def materialize(
     from ledger.stream.spec import Stream
 
     record = show(root, batch, rank, head)
-    config = read_run(Store(root))["config"]
+    store = Store(root)
+    config = read_run(store)["config"]
     collate = collate_fn or tud.default_collate
-    seed = int(config["seed"])
+    seed = int(validate.require(config, "seed", int, f"{store.full('run.json')}, config"))
     rng = rng_of(config)
     if record.skip_reason is not None:
         raise BatchSkipped(
