@@ -72,6 +72,11 @@ class UnsupportedArgument(LedgerError, ValueError):
     instead (e.g. a custom sampler: ``shuffle=True, seed=...``)."""
 
 
+class DataError(LedgerError, ValueError):
+    """A data file of a source cannot be read as what its name says (a JSONL line that is
+    not a JSON object); the message names the file and the line."""
+
+
 class Preempted(LedgerError):
     """A preemption signal arrived (:mod:`ledger.preemption`, ``stop_loaders=True``): the
     loader stopped at a batch boundary. Save the model and ``loader.state_dict()``, then

@@ -430,7 +430,12 @@ class DataLoader:
                     if self._state.epoch != start_epoch:
                         return  # the skip finished the epoch
                     iterator = iter(pipeline.begin(self._state))
-                item = next(iterator, None)
+                try:
+                    item = next(iterator, None)
+                except RuntimeError as e:  # PEP 479: a StopIteration inside a generator
+                    if isinstance(e.__cause__, StopIteration):
+                        raise _stopped_early(self._state) from e.__cause__
+                    raise
                 if item is None:
                     break
                 tag, data = item
@@ -964,3 +969,16 @@ def _check_token(token: Any) -> dict[str, Any]:
 
 
 __all__: Sequence[str] = ["DataLoader"]
+
+
+def _stopped_early(state: Any) -> LedgerError:
+    """The error for a ``StopIteration`` raised by the dataset or a transform on the
+    training loop's thread (``num_workers=0``), where Python turns it into a
+    ``RuntimeError`` (PEP 479); with workers, torch ends the iteration and
+    ``Pipeline.finish`` says the same."""
+    return LedgerError(
+        f"loading batch {state.epoch_batch} of epoch {state.epoch} raised StopIteration "
+        "(the dataset's __getitem__ or a transform; a StopIteration would end the epoch "
+        "short without a word): raise another exception (IndexError, ValueError) for a "
+        "sample it cannot load"
+    )

@@ -18,6 +18,7 @@ from ledger.commits import read_commit
 from ledger.errors import (
     CommitNotFound,
     ConfigMismatch,
+    DataError,
     LedgerError,
     LogCorrupted,
     ResumeMismatch,
@@ -286,6 +287,28 @@ def test_a_workers_stop_iteration_is_not_a_short_epoch(root):
         list(loader)
 
 
+def test_a_stop_iteration_on_the_loops_thread_is_named(root, tmp_path):
+    """At 0 workers Python turns a dataset's or a transform's StopIteration into a bare
+    ``RuntimeError: generator raised StopIteration`` (PEP 479): ledger names the batch;
+    the batches before it were served."""
+    loader = ledger.DataLoader(_StopsAt3(8), batch_size=2, seed=0, log=root)
+    served = []
+    with pytest.raises(LedgerError, match="loading batch 1 of epoch 0 raised StopIteration"):
+        for batch in loader:
+            served.append(batch.tolist())
+    assert served == [[0, 1]]
+
+    def stops(row, ctx):
+        if ctx.sample_id == 1:
+            raise StopIteration
+        return row["text"]
+
+    stream = Stream(_stream_args(tmp_path), transform=stops)
+    loader = ledger.DataLoader(stream, batch_size=1, seed=0, log=str(tmp_path / "log2"))
+    with pytest.raises(LedgerError, match="the transform raised StopIteration for sample 1"):
+        list(loader)
+
+
 def _stream_args(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -322,6 +345,29 @@ def _not_parquet(source: ShardedSource) -> str:
 def test_a_bad_stream_packer_or_mixture_argument_is_refused(tmp_path, make, match):
     with pytest.raises(UnsupportedArgument, match=match):
         make(_stream_args(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ('{"text": "a"', r"line 4 \(sample id 2\) is not JSON \(Expecting"),
+        ("[1, 2]", r"line 4 \(sample id 2\) is a JSON list, not an object"),
+        ("\xff\xfe", r"line 4 \(sample id 2\) is not JSON"),
+    ],
+)
+def test_a_jsonl_line_that_is_no_json_object_is_named(tmp_path, root, line, match):
+    """A damaged line of a JSONL shard is a DataError naming the file, its line number
+    (blank lines counted) and its sample id, not a bare JSONDecodeError or a list handed
+    on as a row; the rows before it are served."""
+    shard = tmp_path / "part-0.jsonl"
+    shard.write_bytes(b'{"text": "x"}\n\n{"text": "y"}\n' + line.encode("latin-1") + b"\n")
+    source = ShardedSource(str(shard))
+    assert source.read([0, 1]) == [{"text": "x"}, {"text": "y"}]
+    with pytest.raises(DataError, match="part-0.jsonl, " + match):
+        source.read([2])
+    loader = ledger.DataLoader(Stream(source), batch_size=1, seed=0, log=root)
+    with pytest.raises(DataError, match="part-0.jsonl, " + match):
+        list(loader)
 
 
 @pytest.mark.parametrize("tokens", [None, "abc", [0.5, 1.5], [2**70]])

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ledger.errors import UnsupportedArgument
+from ledger.errors import LedgerError, UnsupportedArgument
 from ledger.order import rngs_preserved, sample_seed, seed_globals
 from ledger.stream.packing import assemble
 
@@ -99,7 +99,13 @@ def sample_loader(
             item: Any = record
         else:
             held = refs(ctx)
-            item = transform(record, ctx)
+            try:
+                item = transform(record, ctx)
+            except StopIteration as e:  # it would end the worker's rows early, unnamed
+                raise LedgerError(
+                    f"the transform raised StopIteration for sample {sid}: raise another "
+                    "exception (ValueError, KeyError) for a row it cannot load"
+                ) from e
             if refs(ctx) == held and not per_sample_rng:
                 # The transform kept no reference to it (in what it returned or
                 # elsewhere), so no one can see it change: reused for the next row.

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from ledger.errors import CommitConflict, ConfigMismatch, UnsupportedArgument
+from ledger.errors import CommitConflict, ConfigMismatch, DataError, UnsupportedArgument
 from ledger.store import Files, Store
 
 _JSONL_BLOCK = 1024  # lines read per request when streaming a JSONL shard
@@ -71,7 +71,10 @@ class ShardedSource:
 
     Raises:
         FileNotFoundError: if a URI or glob matches no file.
-        ValueError: if a file is neither Parquet nor JSONL.
+        UnsupportedArgument: if a file is neither Parquet nor JSONL, or a ``.parquet``
+            file has no readable footer.
+        DataError: when rows are read, for a JSONL line that is not a JSON object (the
+            message names the file, the line and the sample id).
 
     Note:
         Construction reads every Parquet footer and every JSONL file once (to count and
@@ -304,9 +307,27 @@ class ShardedSource:
         lines = self._lines[shard]
         data = self._files.read_range(self._files.paths[shard], int(lines[lo]), int(lines[hi]))
         base = int(lines[lo])
-        return [
-            json.loads(data[int(lines[i]) - base : int(lines[i + 1]) - base]) for i in range(lo, hi)
-        ]
+        rows = []
+        for i in range(lo, hi):
+            try:
+                row = json.loads(data[int(lines[i]) - base : int(lines[i + 1]) - base])
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                why = getattr(e, "msg", e)  # JSONDecodeError's position is the slice's
+                raise self._bad_line(shard, i, f"is not JSON ({why})") from e
+            if not isinstance(row, dict):
+                raise self._bad_line(shard, i, f"is a JSON {type(row).__name__}, not an object")
+            rows.append(row)
+        return rows
+
+    def _bad_line(self, shard: int, row: int, what: str) -> DataError:
+        """The error for row ``row`` of JSONL shard ``shard``, naming its line number."""
+        path = self._files.paths[shard]
+        start = int(self._lines[shard][row])
+        line = self._files.read_range(path, 0, start).count(b"\n") + 1 if start else 1
+        return DataError(
+            f"{path}, line {line} (sample id {int(self.offsets[shard]) + row}) {what}: "
+            "a JSONL shard holds one JSON object per line"
+        )
 
     # -------------------------------------------------------------- indexing
 
