@@ -34,7 +34,11 @@ def streams(out, nproc):
 
 
 @pytest.mark.parametrize(
-    "nproc", [pytest.param(2, marks=pytest.mark.xdist_group("two_rank_reference")), 3]
+    "nproc",
+    [
+        pytest.param(2, marks=pytest.mark.xdist_group("two_rank_reference")),
+        pytest.param(3, marks=pytest.mark.long),  # 3 ranks: also in the elastic tests
+    ],
 )
 def test_collective_commits_and_same_shape_resume(tmp_path, request, nproc):
     if nproc == 2:  # the uninterrupted job test_s3's two-rank test compares with too
@@ -216,6 +220,7 @@ def test_distributed_checkpoint_restores_every_rank(tmp_path):
     assert verdicts == {"rank0.txt": "ok", "rank1.txt": "ok"}
 
 
+@pytest.mark.long  # mixtures resume elastically in the two tests below, too
 def test_elastic_resume_of_a_mixture_two_to_one_rank(tmp_path):
     """A mixture resumed with another world size continues the prefix of its positions:
     the samples served are exactly the mixture's order, position by position."""

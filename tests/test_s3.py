@@ -379,7 +379,8 @@ def _lines(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_after_line", [19])  # inside a commit: its PUTs in flight
+# Inside a commit, its PUTs in flight (line 10, just after one, is the long tier's).
+@pytest.mark.parametrize("kill_after_line", [pytest.param(10, marks=pytest.mark.long), 19])
 def test_sigkill_on_s3_then_resume_gives_the_uninterrupted_stream(
     s3, tmp_path, sigkill_reference, kill_after_line
 ):

@@ -34,7 +34,9 @@ def _effective_stream(path):
     return [lines[s] for s in sorted(lines)]
 
 
-@pytest.mark.parametrize("kill_after_line", [5, 19, 31])  # after a commit, in one, after an epoch
+# After a commit, inside one, after an epoch's end (line 10, after the second commit, is
+# the long tier's).
+@pytest.mark.parametrize("kill_after_line", [5, pytest.param(10, marks=pytest.mark.long), 19, 31])
 def test_sigkill_then_resume_gives_the_uninterrupted_stream(
     tmp_path, sigkill_reference, kill_after_line
 ):

@@ -121,6 +121,7 @@ def assert_same(spark, root: str, head: str | None = None, *, views=VIEWS, summa
 # ---------------------------------------------------------------- the logs
 
 
+@pytest.mark.long  # version-1 logs are audited by DuckDB in CI (test_compat)
 def test_example_log_version_1_markers_orphan_abandoned_duplicate(spark, tmp_path):
     root = str(tmp_path / "log")
     example_log(tmp_path / "log")
