@@ -250,3 +250,20 @@ def s3(s3_server, monkeypatch, tmp_path):
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("LEDGER_JOURNAL_DIR", str(tmp_path / "journals"))
     return s3_server
+
+
+def count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count Parquet row-group decodes: the returned list gets the rows of each row group
+    ``pq.ParquetFile.read_row_group`` decodes from now on (in this process)."""
+    import pyarrow.parquet as pq
+
+    decoded: list[int] = []
+    read = pq.ParquetFile.read_row_group
+
+    def counting(self, i, *args, **kwargs):
+        table = read(self, i, *args, **kwargs)
+        decoded.append(table.num_rows)
+        return table
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
+    return decoded

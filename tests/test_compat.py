@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from conftest import packed_stream
+from conftest import count_decodes, packed_stream
 
 import ledger
 from ledger.audit import connect
@@ -201,21 +201,6 @@ def ranks1(tmp_path):
     return root, tokens, batches
 
 
-def _count_decodes(monkeypatch):
-    import pyarrow.parquet as pq
-
-    decoded: list[int] = []
-    read = pq.ParquetFile.read_row_group
-
-    def counting(self, i, *args, **kwargs):
-        table = read(self, i, *args, **kwargs)
-        decoded.append(table.num_rows)
-        return table
-
-    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
-    return decoded
-
-
 def test_ranks1_fixture_has_layout_1():
     import pyarrow.parquet as pq
 
@@ -236,7 +221,7 @@ def test_ranks1_fixture_has_layout_1():
 @pytest.mark.parametrize("after", [2, 4, 6, 8])
 def test_layout1_log_resumes_exactly_by_decoding(ranks1, monkeypatch, after):
     root, tokens, batches = ranks1
-    decoded = _count_decodes(monkeypatch)
+    decoded = count_decodes(monkeypatch)
     loader = make_v1.map_loader(root)
     loader.load_state_dict(tokens[after])
     if after == 8:  # a segment of its own (2, 4 and 6 sit in the compacted file)
@@ -256,7 +241,7 @@ def test_layout2_commit_on_a_layout1_log_resumes_by_the_marker(ranks1, monkeypat
     head = read_commit(Store(root), token["commit"])
     assert head.ranks.encoding == ranks.ENCODING and head.ranks.final_batch(0) is not None
     assert read_commit(Store(root), head.parent).ranks.head == 26
-    decoded = _count_decodes(monkeypatch)
+    decoded = count_decodes(monkeypatch)
     resumed = make_v1.map_loader(root)
     resumed.load_state_dict(token)
     assert decoded == []  # checked by the marker's fingerprint, not by decoding

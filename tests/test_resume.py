@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Augmented
+from conftest import Augmented, count_decodes
 
 import ledger
 from ledger.testing import assert_resume_exact, take
@@ -163,15 +163,7 @@ def test_resume_decodes_no_row_group(root, monkeypatch):
     meta = pq.ParquetFile(path).metadata
     assert meta.num_rows == 300 * 9  # 8 samples and a digest row per batch
     assert meta.row_group(meta.num_row_groups - 1).num_rows == 9
-    decoded: list[int] = []
-    read = pq.ParquetFile.read_row_group
-
-    def counting(self, i, *args, **kwargs):
-        table = read(self, i, *args, **kwargs)
-        decoded.append(table.num_rows)
-        return table
-
-    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
+    decoded = count_decodes(monkeypatch)
     resumed = ledger.DataLoader(Augmented(5000), batch_size=8, shuffle=True, seed=1, log=root)
     resumed.load_state_dict(token)
     assert decoded == []
