@@ -968,10 +968,7 @@ def _check_token(token: Any) -> dict[str, Any]:
     return token
 
 
-__all__: Sequence[str] = ["DataLoader"]
-
-
-def _stopped_early(state: Any) -> LedgerError:
+def _stopped_early(state: PipelineState) -> LedgerError:
     """The error for a ``StopIteration`` raised by the dataset or a transform on the
     training loop's thread (``num_workers=0``), where Python turns it into a
     ``RuntimeError`` (PEP 479); with workers, torch ends the iteration and
@@ -982,3 +979,6 @@ def _stopped_early(state: Any) -> LedgerError:
         "short without a word): raise another exception (IndexError, ValueError) for a "
         "sample it cannot load"
     )
+
+
+__all__: Sequence[str] = ["DataLoader"]
