@@ -739,12 +739,13 @@ def verify_command(
 ) -> None:
     """Check the integrity of the log at ROOT (exit status 3 if a check fails).
 
-    Markers parse; every parent exists and the chain has no loop; every segment exists
-    with its marker's size, SHA-256 and row count, reads as Parquet with the event
-    schema and holds only its own attempt and rank; no sample is consumed twice in an
-    epoch of the lineage. Orphan segments are reported. With --data, the data too: each
-    batch of the range is re-created from the dataset and must have the digest recorded
-    when the model received it (one batch of reads each).
+    Markers parse; every parent exists and the chain has no loop; every attempt that
+    committed has its record; every segment exists with its marker's size, SHA-256 and
+    row count, reads as Parquet with the event schema and holds only its own attempt and
+    rank; no sample is consumed twice in an epoch of the lineage. Orphan segments are
+    reported. With --data, the data too: each batch of the range is re-created from the
+    dataset and must have the digest recorded when the model received it (one batch of
+    reads each).
 
     Example:
 

@@ -267,6 +267,7 @@ class DataLoader:
                 f"rank={rank} is outside world_size={world_size}: pass 0 <= rank < world_size"
             )
         num_workers = torch_args.count("num_workers", num_workers, 0)
+        prefetch_factor, timeout = torch_args.worker_options(num_workers, prefetch_factor, timeout)
         if not isinstance(log, Ledger) and (
             not isinstance(log, (str, os.PathLike)) or not str(os.fspath(log)).strip()
         ):

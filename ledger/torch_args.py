@@ -13,6 +13,8 @@ sentence saying what ledger does instead.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +86,33 @@ def count(name: str, value: Any, low: int) -> int:
     if number is None or isinstance(value, bool) or number < low:
         raise UnsupportedArgument(f"{name} must be an int >= {low}, got {value!r}")
     return number
+
+
+def worker_options(
+    num_workers: int, prefetch_factor: Any, timeout: Any
+) -> tuple[int | None, float]:
+    """``prefetch_factor`` and ``timeout`` checked by torch's rules when the loader is made,
+    not when its first iterator starts its workers (where torch 2.13 asserts on
+    ``prefetch_factor=0`` and takes a float one as far as ``range()``).
+
+    Returns:
+        ``(prefetch_factor, timeout)``: an int >= 1 or ``None``, and a float >= 0 (seconds).
+
+    Raises:
+        UnsupportedArgument: ``prefetch_factor`` not ``None`` nor an int >= 1, or given with
+            ``num_workers=0``; ``timeout`` not a real number >= 0.
+    """
+    if prefetch_factor is not None:
+        prefetch_factor = count("prefetch_factor", prefetch_factor, 1)
+        if num_workers == 0:
+            raise UnsupportedArgument(
+                f"prefetch_factor={prefetch_factor} needs worker processes: with num_workers=0 "
+                "leave prefetch_factor=None (torch's rule)"
+            )
+    seconds = float(timeout) if isinstance(timeout, numbers.Real) else math.nan
+    if isinstance(timeout, bool) or not 0 <= seconds < math.inf:
+        raise UnsupportedArgument(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+    return prefetch_factor, seconds
 
 
 def _check_dataset(dataset: Any) -> None:

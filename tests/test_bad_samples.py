@@ -315,6 +315,38 @@ def test_a_stream_whose_rest_all_fails_raises_sample_error(tmp_path, stream_shar
         list(loader)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_transforms_stop_iteration_is_a_bad_sample_under_skip(tmp_path, stream_shards, workers):
+    """With ``on_error="skip"`` a transform that raises StopIteration (which would end a
+    worker's rows early, unnamed) loses that sample only, logged with the reason; the rest
+    of the epoch is served."""
+    from ledger.stream import ShardedSource, Stream
+
+    def stops(record, ctx):
+        if record["id"] in STREAM_BAD:
+            raise StopIteration
+        return record["id"]
+
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(
+        Stream(ShardedSource(f"{stream_shards}/*"), transform=stops, shuffle_buffer=5),
+        batch_size=3, shuffle=True, seed=5, log=root, num_workers=workers, on_error="skip",
+    )  # fmt: skip
+    served = [i for b in loader for i in b.tolist()]
+    loader.state_dict()
+    assert sorted(served) == sorted(set(range(STREAM_ROWS)) - STREAM_BAD)
+    rows = (
+        connect(root)
+        .sql("select sample_id, value from lineage where kind = 'error' order by sample_id")
+        .fetchall()
+    )
+    assert [s for s, _ in rows] == sorted(STREAM_BAD)
+    for sid, value in rows:
+        assert json.loads(value)["message"].startswith(
+            f"the transform raised StopIteration for sample {sid}"
+        )
+
+
 def test_the_audit_lists_a_streams_bad_samples(tmp_path, stream_shards):
     from click.testing import CliRunner
 

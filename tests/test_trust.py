@@ -586,6 +586,22 @@ def test_verify_names_an_attempt_whose_parent_is_no_commit(pristine, tmp_path):
     assert got["segments"] == "True"  # the other checks still ran
 
 
+def test_verify_names_an_attempt_that_committed_without_its_record(pristine, tmp_path):
+    """A loader claims its attempt's record before it writes anything: an attempt whose
+    commits outlived its record lost it (the audit could no longer say what the attempt
+    resumed from). A finding of the chain check; the duplicates are still counted."""
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    os.remove(os.path.join(root, "attempts", "0000.json"))
+    result = _cli("verify", root, "--format", "csv")
+    assert result.exit_code == 3, result.output
+    assert "attempt 0 made " in result.output
+    assert "attempts/0000.json is missing: it was removed after the attempt began" in result.output
+    got = {row["check"]: row["ok"] for row in csv.DictReader(io.StringIO(result.stdout))}
+    assert got["chain"] == "False" and got["markers"] == "True"
+    assert got["segments"] == got["duplicates"] == "True"  # the commits' own chain holds
+
+
 def test_an_attempt_record_without_its_start_time_still_reports(pristine, tmp_path):
     root = str(tmp_path / "log")
     shutil.copytree(pristine, root)

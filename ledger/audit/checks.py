@@ -349,17 +349,25 @@ class Verification:
 
 
 @parsing_once
-def _check_attempts(store: Store, ids: set[str]) -> list[str]:
-    """Every attempt record parses; the ones whose parent is no commit of the log.
+def _check_attempts(store: Store, commits: list[Commit]) -> list[str]:
+    """Every attempt record parses; the ones whose parent is no commit of the log, and
+    the attempts that committed without a record.
+
+    A loader claims its attempt's record (:func:`ledger.commits.claim_attempt`) before it
+    writes anything, so an attempt with commits and no record lost it afterwards: the
+    audit's ``attempts`` table would then not say which commit the attempt resumed from.
 
     Returns:
-        One problem per attempt record that resumed from a commit without a marker (a
-        finding of the ``chain`` check, beside the commits whose parent is missing).
+        One problem per attempt record that resumed from a commit without a marker, and
+        per attempt with commits but no record (findings of the ``chain`` check, beside
+        the commits whose parent is missing).
 
     Raises:
         LogCorrupted: naming the record and the field, if one does not parse.
     """
+    ids = {c.id for c in commits}
     problems = []
+    recorded: set[int] = set()
     for name in store.ls("attempts"):
         if not ATTEMPT_NAME.match(name):
             continue  # a stray file, ignored by every reader
@@ -367,11 +375,24 @@ def _check_attempts(store: Store, ids: set[str]) -> list[str]:
             parent = read_attempt(store, name)["parent"]
         except FileNotFoundError:
             continue  # removed since the listing
+        recorded.add(int(name[: -len(".json")]))
         if parent is not None and parent not in ids:
             problems.append(
                 f"{store.full(f'attempts/{name}')}: field 'parent' is {parent!r}, which no "
                 "commit marker is: the attempt resumed from a commit the log no longer has"
             )
+    unrecorded: dict[int, list[str]] = {}
+    for c in commits:
+        if c.attempt not in recorded:
+            unrecorded.setdefault(c.attempt, []).append(c.id)
+    for attempt, made in sorted(unrecorded.items()):
+        problems.append(
+            f"attempt {attempt} made {len(made)} commit{'s' if len(made) > 1 else ''} "
+            f"({', '.join(sorted(made)[:2])}"
+            f"{', ...' if len(made) > 2 else ''}) but its record "
+            f"{store.full(f'attempts/{attempt:04d}.json')} is missing: it was removed after "
+            "the attempt began"
+        )
     return problems
 
 
@@ -381,7 +402,7 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
     - ``markers``: every commit marker, attempt record and ``run.json`` parse.
     - ``chain``: every parent exists (a commit's and an attempt record's), no chain
       loops, a child's step is not below its parent's, every rank of the world size has
-      a state.
+      a state, every attempt that committed has its record.
     - ``segments``: every segment a marker names exists, has the marker's size, SHA-256
       and row count, is a readable Parquet file with the event schema, and holds only
       its own attempt and rank (Parquet statistics).
@@ -407,7 +428,7 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
     try:
         config = read_run(store)["config"]
         commits = list_commits(store, catalog=False)  # the markers themselves
-        orphaned_attempts = _check_attempts(store, {c.id for c in commits})
+        orphaned_attempts = _check_attempts(store, commits)
         differ = _differ_from_catalog(store, commits)
     except LogCorrupted as e:
         return Verification((CheckResult("markers", False, str(e)),), 0, 0, 0)
@@ -421,12 +442,13 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
         if differ
         else CheckResult("markers", True, f"{len(commits)} commit markers parse")
     )
-    results.append(_chain(commits, orphaned_attempts))
+    chained, walkable = _chain(commits, orphaned_attempts)
+    results.append(chained)
     # One pass over the segments: each is read once, checked against its marker, and
     # (in the default head's lineage) counted for the duplicates check.
     chain: set[str] = set()
     head = default_head(commits)
-    if results[1].ok and head is not None:
+    if walkable and head is not None:
         chain = {c.id for c in lineage(store, head.id, known={c.id: c for c in commits})}
     by_step = sorted(commits, key=lambda c: (c.step, c.attempt))
     counted = [c for c in by_step if c.id in chain]
@@ -461,7 +483,7 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
             "segments", True, f"{segments} segments match their markers ({events} events)"
         )
     )
-    if results[1].ok and not bad and scanned is not None:
+    if walkable and not bad and scanned is not None:
         results.append(_duplicates(scanned))
     else:
         results.append(CheckResult("duplicates", False, "not checked: the log is damaged"))
@@ -595,7 +617,9 @@ def _duplicates(scanned: ScanResult) -> CheckResult:
     )
 
 
-def _chain(commits: list[Commit], attempts: list[str]) -> CheckResult:
+def _chain(commits: list[Commit], attempts: list[str]) -> tuple[CheckResult, bool]:
+    """The ``chain`` check of the commits, with ``attempts``' findings added; and whether
+    the commits' own chain holds (parents present, no loop: lineages can be walked)."""
     by_id = {c.id: c for c in commits}
     problems = []
     for c in commits:
@@ -623,10 +647,11 @@ def _chain(commits: list[Commit], attempts: list[str]) -> CheckResult:
             on_path.add(cur.id)
             cur = by_id.get(cur.parent) if cur.parent is not None else None
         done.update(path)
+    walkable = not problems
     problems += attempts  # after the commits': a missing marker names its children first
     if problems:
-        return CheckResult("chain", False, "; ".join(problems[:3]))
-    return CheckResult("chain", True, "every parent exists, steps never go back")
+        return CheckResult("chain", False, "; ".join(problems[:3])), walkable
+    return CheckResult("chain", True, "every parent exists, steps never go back"), walkable
 
 
 __all__ = [
