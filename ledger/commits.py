@@ -17,7 +17,7 @@ import operator
 import os
 import re
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -52,8 +52,8 @@ def _dump(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, indent=1, sort_keys=True).encode()
 
 
-def _load(store: Store, rel: str) -> dict[str, Any]:
-    raw = store.read_bytes(rel)
+def _load(store: Store, rel: str, fetched: Fetched | None = None) -> dict[str, Any]:
+    raw = store.read_known(rel, fetched)
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -65,6 +65,10 @@ def _load(store: Store, rel: str) -> dict[str, Any]:
             f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
     return data
+
+
+Fetched = Mapping[str, bytes | None]
+"""Files already read by :meth:`Store.read_many`, by relative path (``None``: absent)."""
 
 
 # ---------------------------------------------------------------- pipeline state
@@ -882,10 +886,12 @@ def parsing_once(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def read_commit(store: Store, cid: str) -> Commit:
+def read_commit(store: Store, cid: str, fetched: Fetched | None = None) -> Commit:
     """Read one commit marker (either version) and, for version 2, its rank table.
 
-    Inside :func:`parse_once`, a marker already read is not read again.
+    Inside :func:`parse_once`, a marker already read is not read again. ``fetched``: the
+    marker's and rank table's bytes when the caller read them already
+    (:func:`read_commits`).
 
     Raises:
         CommitNotFound: if no marker ``cid`` exists under the root, or ``cid`` is not a
@@ -902,16 +908,71 @@ def read_commit(store: Store, cid: str) -> Commit:
     if parsed is not None and (store.uri, cid) in parsed:
         return parsed[(store.uri, cid)]
     try:
-        data = _load(store, marker_path(cid))
+        data = _load(store, marker_path(cid), fetched)
     except FileNotFoundError as e:
         raise CommitNotFound(f"commit {cid} does not exist under {store.uri}") from e
     if data["version"] == 1:
         commit = parse_marker_v1(store, cid, data)
     else:
-        commit = parse_marker_v2(store, cid, data)
+        commit = parse_marker_v2(store, cid, data, fetched)
     if parsed is not None:
         parsed[(store.uri, cid)] = commit
     return commit
+
+
+def read_commits(store: Store, cids: Sequence[str]) -> list[Commit]:
+    """:func:`read_commit` of each of ``cids``, in order.
+
+    An object store's markers, then their rank tables, are fetched concurrently
+    (:meth:`Store.read_many`), 1,024 commits at a time: reading 10^4 commits one file
+    after another waited on 2·10^4 round trips (~12 ms each to a local ``rclone serve
+    s3``: 4 s for 100 commits). A local root's are read one by one.
+
+    Raises:
+        CommitNotFound, LogCorrupted: as :func:`read_commit`, for the first commit in
+            ``cids`` that has them.
+    """
+    if store.is_local:
+        return [read_commit(store, cid) for cid in cids]
+    parsed = _PARSED.get()
+    out: list[Commit] = []
+    for lo in range(0, len(cids), _READ_AHEAD):
+        chunk = cids[lo : lo + _READ_AHEAD]
+        todo = [
+            cid
+            for cid in chunk
+            if COMMIT_NAME.match(f"{cid}.json")
+            and (parsed is None or (store.uri, cid) not in parsed)
+        ]
+        markers = [marker_path(cid) for cid in todo]
+        fetched: dict[str, bytes | None] = dict(zip(markers, store.read_many(markers), strict=True))
+        tables = []
+        for rel in markers:
+            data = _peek_json(fetched[rel])
+            ref = data.get("ranks") if isinstance(data, dict) else None
+            path = ref.get("path") if isinstance(ref, dict) else None
+            if isinstance(path, str) and _RANKS_PATH.fullmatch(path):
+                tables.append(path)  # checked again, field by field, when parsed
+        fetched.update(zip(tables, store.read_many(tables), strict=True))
+        out += [read_commit(store, cid, fetched) for cid in chunk]
+    return out
+
+
+_READ_AHEAD = 1024
+"""Commits whose files :func:`read_commits` fetches at once from an object store."""
+
+_RANKS_PATH = re.compile(r"ranks/[0-9]+-[0-9]+\.ranks")
+"""A rank table's path as writers name it: what :func:`read_commits` fetches ahead."""
+
+
+def _peek_json(raw: bytes | None) -> Any:
+    """``raw`` as JSON, or ``None`` (the marker's parse names what is wrong with it)."""
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
 
 
 def parse_marker_v1(store: Store, cid: str, data: dict[str, Any]) -> Commit:
@@ -980,8 +1041,11 @@ def resolve_commit(store: Store, text: str) -> str:
     )
 
 
-def parse_marker_v2(store: Store, cid: str, data: dict[str, Any]) -> Commit:
-    """A version-2 marker: the header in JSON, the per-rank table in its own file.
+def parse_marker_v2(
+    store: Store, cid: str, data: dict[str, Any], fetched: Fetched | None = None
+) -> Commit:
+    """A version-2 marker: the header in JSON, the per-rank table in its own file
+    (from ``fetched`` when the caller read it already).
 
     Raises:
         LogCorrupted: naming the file and the field, if a field is missing or mangled,
@@ -994,7 +1058,7 @@ def parse_marker_v2(store: Store, cid: str, data: dict[str, Any]) -> Commit:
         fields = _v2_fields_checked(data, cid, where)
     header, path, digest, shape, encoding = fields
     try:
-        blob = store.read_bytes(path)
+        blob = store.read_known(path, fetched)
     except FileNotFoundError as e:
         raise LogCorrupted(
             f"{store.full(path)}, the rank table of commit {cid}, is missing: restore it"
@@ -1227,10 +1291,10 @@ def list_commits(store: Store, *, catalog: bool = True) -> list[Commit]:
         from ledger.compaction import catalogued  # compaction imports this module
 
         known = catalogued(store)
-    out = []
     with no_cycles():
-        for cid in _commit_names(store.ls("commits")):
-            out.append(known.get(cid) or read_commit(store, cid))
+        names = _commit_names(store.ls("commits"))
+        read = iter(read_commits(store, [cid for cid in names if cid not in known]))
+        out = [known.get(cid) or next(read) for cid in names]
     out.sort(key=operator.attrgetter("attempt", "step"))
     if cache is not None:
         cache[key] = tuple(out)

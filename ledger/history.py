@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ledger.commits import COMMIT_NAME, Commit, command_cache, read_commit
+from ledger.commits import COMMIT_NAME, Commit, command_cache, read_commits
 from ledger.errors import LogCorrupted
 from ledger.store import Store
 
@@ -297,7 +297,7 @@ def read_history(store: Store) -> History | None:
     # checked here.
     rest = rest.filter(pc.match_substring_regex(rest, _COMMIT_ID))
     rest = rest.take(pc.sort_indices(rest))
-    commits = [read_commit(store, cid) for cid in rest.to_pylist()]
+    commits = read_commits(store, rest.to_pylist())
     own = History.of(commits)
     if own is None:
         out = None

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import binascii
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -193,15 +193,18 @@ def table(commit: object) -> pa.Table:
     return from_rows(commit.id, commit.step, commit.attempt, rows)
 
 
-def _read_checked(store: Store, cid: str, digest: str) -> bytes:
-    """The bytes of commit ``cid``'s manifest, checked against the SHA-256 ``digest``.
+def _read_checked(
+    store: Store, cid: str, digest: str, fetched: Mapping[str, bytes | None] | None = None
+) -> bytes:
+    """The bytes of commit ``cid``'s manifest (from ``fetched`` when it holds them),
+    checked against the SHA-256 ``digest``.
 
     Raises:
         LogCorrupted: if it is missing or altered.
     """
     rel = manifest_path(cid)
     try:
-        data = store.read_bytes(rel)
+        data = store.read_known(rel, fetched)
     except FileNotFoundError as e:
         raise LogCorrupted(
             f"{store.full(rel)}, the manifest of commit {cid}, is missing: restore it from a "
@@ -215,13 +218,16 @@ def _read_checked(store: Store, cid: str, digest: str) -> bytes:
     return data
 
 
-def read(store: Store, cid: str, digest: str) -> pa.Table:
-    """Read the manifest of commit ``cid``, checked against the SHA-256 its marker names.
+def read(
+    store: Store, cid: str, digest: str, fetched: Mapping[str, bytes | None] | None = None
+) -> pa.Table:
+    """Read the manifest of commit ``cid``, checked against the SHA-256 its marker names
+    (its bytes from ``fetched`` when it holds them).
 
     Raises:
         LogCorrupted: if it is missing, altered or not a manifest table.
     """
-    data = _read_checked(store, cid, digest)
+    data = _read_checked(store, cid, digest, fetched)
     rel = manifest_path(cid)
     try:
         # ParquetFile, not read_table: no dataset machinery (importing pyarrow.dataset,
@@ -298,8 +304,9 @@ def check(store: Store, commits: Sequence[object], threads: int | None = None) -
     Args:
         store: the log's store.
         commits: the :class:`~ledger.commits.Commit` markers to check (a lineage or all).
-        threads: how many manifest files are read at once (default: 8 for an object
-            store, whose reads wait on the network; 1 for a local root, whose reads take
+        threads: how many chunks of 32 manifest files are read at once (default: 8 for an
+            object store, whose reads wait on the network, each chunk's files fetched
+            together by :meth:`Store.read_many`; 1 for a local root, whose reads take
             ~5 µs and whose threads only contend for the GIL: 10^4 manifests 0.19 s on
             one thread against 0.52-0.78 s on 8 here).
 
@@ -315,18 +322,22 @@ def check(store: Store, commits: Sequence[object], threads: int | None = None) -
     parents = {c.parent for c in by_id.values()}
     named = [c for c in by_id.values() if c.manifest is not None]
 
-    def one(c: Any) -> str | None:
+    def one(c: Any, fetched: dict[str, bytes | None] | None) -> str | None:
         try:
             if c.id in parents:  # an inner commit: its SHA-256 binds it to its marker
-                _read_checked(store, c.id, c.manifest[1])
-            elif not read(store, c.id, c.manifest[1]).equals(table(c)):
+                _read_checked(store, c.id, c.manifest[1], fetched)
+            elif not read(store, c.id, c.manifest[1], fetched).equals(table(c)):
                 return f"manifest of {c.id} differs from its marker's rank table"
         except LogCorrupted as e:
             return str(e)
         return None
 
     def some(chunk: list[Any]) -> list[str | None]:
-        return [one(c) for c in chunk]
+        fetched = None
+        if not store.is_local:  # the chunk's files at once (Store.read_many)
+            paths = [manifest_path(c.id) for c in chunk]
+            fetched = dict(zip(paths, store.read_many(paths), strict=True))
+        return [one(c, fetched) for c in chunk]
 
     problems: list[str] = []
     if threads is None:

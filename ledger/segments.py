@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -209,6 +210,7 @@ def open_segment(
     rows: int | None = None,
     checksum: str | None = None,
     size: int | None = None,
+    fetched: Mapping[str, bytes | None] | None = None,
 ) -> pq.ParquetFile:
     """Open a segment for reading, checking its checksum and row count when given.
 
@@ -218,6 +220,7 @@ def open_segment(
         rows: expected number of rows (from the commit marker), or ``None``.
         checksum: expected hex SHA-256 of the file, or ``None`` to skip the check.
         size: expected size in bytes, or ``None``.
+        fetched: files the caller read already (:meth:`Store.read_many`), by path.
 
     A segment retired by a compaction is read from the compacted file that holds it
     (:func:`open_events`), and its rows encoded as a Parquet file of their own.
@@ -228,7 +231,7 @@ def open_segment(
     Raises:
         LogCorrupted: if the file is missing, unreadable, or differs from the marker.
     """
-    found = open_events(store, rel, rows=rows, checksum=checksum, size=size)
+    found = open_events(store, rel, rows=rows, checksum=checksum, size=size, fetched=fetched)
     if isinstance(found, pa.Table):  # a compacted segment's rows, as a file of their own
         return pq.ParquetFile(pa.BufferReader(encode(found)))
     return found
@@ -360,6 +363,7 @@ def open_events(
     rows: int | None = None,
     checksum: str | None = None,
     size: int | None = None,
+    fetched: Mapping[str, bytes | None] | None = None,
 ) -> pq.ParquetFile | pa.Table:
     """A segment's events, checked as :func:`open_segment` checks them, without making a
     Parquet file of a compacted one: the segment's file, or for a segment retired by a
@@ -371,7 +375,7 @@ def open_events(
     Raises:
         LogCorrupted: if the segment is missing, unreadable, or differs from the marker.
     """
-    data = _read(store, rel, rows, checksum)
+    data = _read(store, rel, rows, checksum, fetched)
     if isinstance(data, pa.Table):
         return data
     _check_size(store, rel, data, size)
@@ -389,11 +393,17 @@ def _hasher() -> ThreadPoolExecutor:
     return _HASHER[1]
 
 
-def _read(store: Store, rel: str, rows: int | None, checksum: str | None) -> bytes | pa.Table:
-    """The segment's bytes, or (retired by a compaction) its checked rows
-    (:func:`ledger.compaction.piece_events`)."""
+def _read(
+    store: Store,
+    rel: str,
+    rows: int | None,
+    checksum: str | None,
+    fetched: Mapping[str, bytes | None] | None = None,
+) -> bytes | pa.Table:
+    """The segment's bytes (from ``fetched`` when it holds them), or (retired by a
+    compaction) its checked rows (:func:`ledger.compaction.piece_events`)."""
     try:
-        return store.read_bytes(rel)
+        return store.read_known(rel, fetched)
     except FileNotFoundError as e:
         from ledger.compaction import piece_events, pieces  # compaction imports this module
 

@@ -3,6 +3,8 @@ resume, exclusive creates, commits that fail and are retried, orphans, audits.""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import signal
@@ -20,8 +22,9 @@ from test_sigkill import _effective_stream, _run
 import ledger
 from ledger.audit import connect, summarize
 from ledger.cli import main
-from ledger.commits import Commit, PipelineState, list_commits, write_commit
+from ledger.commits import Commit, PipelineState, list_commits, ranks_path, write_commit
 from ledger.errors import CommitConflict, StorageError
+from ledger.manifest import manifest_path
 from ledger.segments import orphans
 from ledger.store import Store, _precondition_failed
 from ledger.testing import assert_resume_exact, batches_equal, take
@@ -455,6 +458,40 @@ def test_audit_of_an_s3_root_equals_the_audit_of_the_same_run_on_disk(s3, tmp_pa
     assert remote.output == on_disk.output
     assert remote.output.splitlines()[0] == "attempt,epoch,samples,ids"
     assert len(remote.output.splitlines()) == 3  # attempt 0 and attempt 1, epoch 0
+
+
+def test_a_damaged_s3_root_is_named_as_the_same_damage_on_disk(s3, tmp_path):
+    """verify and audit read an object store's markers, rank tables, manifests and
+    segments many at a time (Store.read_many): a missing or altered file among them is
+    named exactly as it is on a local disk, where they are read one by one."""
+    root, local = s3.new_root("damaged"), str(tmp_path / "local")
+    stores = [Store(root), Store(local)]
+    for store in stores:
+        _scenario(store.uri)
+        commits = list_commits(store)
+        assert len(commits) == 4
+        store.fs.rm(store.full(commits[0].segments[0].path))
+        store.fs.pipe_file(store.full(commits[2].segments[0].path), b"PAR1 altered PAR1")
+        store.fs.rm(store.full(manifest_path(commits[1].id)))
+    runner = CliRunner()
+    outputs = []
+    for store in stores:
+        result = runner.invoke(main, ["verify", store.uri, "--format", "csv"])
+        assert result.exit_code == 3, result.output
+        outputs.append(result.output.replace(store.path, "ROOT"))
+    assert outputs[0] == outputs[1]
+    checks = {row["check"]: row for row in csv.DictReader(io.StringIO(outputs[0]))}
+    assert "is missing" in checks["segments"]["detail"]
+    assert "SHA-256" in checks["segments"]["detail"] or "bytes" in checks["segments"]["detail"]
+    assert "the manifest of commit" in checks["manifest"]["detail"]
+    errors = []
+    for store in stores:
+        store.fs.rm(store.full(ranks_path(list_commits(store)[3].id)))
+        result = runner.invoke(main, ["audit", store.uri])
+        assert result.exit_code == 1, result.output
+        errors.append(result.stderr.replace(store.path, "ROOT"))
+    assert errors[0] == errors[1]
+    assert "the rank table of commit" in errors[0] and "is missing" in errors[0]
 
 
 # ---------------------------------------------------------------------- ranks

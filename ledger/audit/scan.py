@@ -15,7 +15,7 @@ import itertools
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -524,7 +524,8 @@ def _read_units(
     before it is decoded; consecutive pieces of one compacted file come as one unit.
 
     A pool of threads reads, hashes (``hashlib`` releases the GIL) and decodes (so does
-    Arrow) up to ``threads`` units ahead of the caller. With ``problems``, a unit that
+    Arrow) up to ``threads`` units ahead of the caller; an object store's files of a
+    unit are fetched at once (:meth:`Store.read_many`). With ``problems``, a unit that
     fails a check comes with no table and its problem recorded (see :func:`scan`).
     """
     want = pa.schema([EVENT_SCHEMA.field(c) for c in columns])
@@ -614,12 +615,19 @@ def _segment_tables(
     :class:`_Problems` names each one that fails, in :func:`check_segment`'s words."""
     tables = []
     found: dict[int, str] = {}
+    fetched = None
+    if not store.is_local and len(jobs) > 1:  # the unit's files at once, not one by one
+        paths = [ref.path for _, _, ref in jobs]
+        fetched = dict(zip(paths, store.read_many(paths), strict=True))
     for k, (cid, attempt, ref) in enumerate(jobs):
         if problems is None:
-            pf = open_segment(store, ref.path, rows=ref.rows, checksum=ref.sha256, size=ref.bytes)
+            pf = open_segment(
+                store, ref.path, rows=ref.rows, checksum=ref.sha256, size=ref.bytes,
+                fetched=fetched,
+            )  # fmt: skip
             table = pf.read(columns=columns, use_threads=False)
         else:
-            checked = check_segment(store, cid, attempt, ref, columns)
+            checked = check_segment(store, cid, attempt, ref, columns, fetched)
             if isinstance(checked, str):
                 found[k] = checked
                 continue
@@ -642,7 +650,12 @@ _PER_UNIT = 64
 
 
 def check_segment(
-    store: Store, commit: str, attempt: int, ref: SegmentRef, columns: list[str]
+    store: Store,
+    commit: str,
+    attempt: int,
+    ref: SegmentRef,
+    columns: list[str],
+    fetched: Mapping[str, bytes | None] | None = None,
 ) -> pa.Table | str:
     """``ledger verify``'s checks of one segment: it exists, has the size, SHA-256 and
     rows its marker names, the event columns, and only its own attempt and rank (Parquet
@@ -652,10 +665,11 @@ def check_segment(
     about as much again in Python per file, which counts at 10^4 segments. Its columns
     are named by their Parquet paths (a third of the cost of Arrow's schema, and the
     same names for the flat event columns); only a file that fails the check has its
-    Arrow schema read, for the message."""
+    Arrow schema read, for the message. ``fetched``: files the caller read already
+    (:meth:`Store.read_many`), by path."""
     where = f"{ref.path} (commit {commit})"
     try:
-        data = store.read_bytes(ref.path)
+        data = store.read_known(ref.path, fetched)
     except FileNotFoundError:
         return f"{where} is missing"
     if len(data) != ref.bytes:
