@@ -238,20 +238,14 @@ class Store:
             StorageError: if reading one fails otherwise than by its absence.
         """
         if self.is_local or len(rels) < 2:
-            out: list[bytes | None] = []
-            for rel in rels:
-                try:
-                    out.append(self.read_bytes(rel))
-                except FileNotFoundError:
-                    out.append(None)
-            return out
+            return self.read_each(rels)
         paths = [self.full(rel) for rel in rels]
         try:
             found = self.fs.cat(paths, on_error="return")
         except Exception as e:
             raise self._error(f"could not read {len(paths)} files under {self.uri}", e) from e
         strip = self.fs._strip_protocol
-        out = []
+        out: list[bytes | None] = []
         for path in paths:
             data = found.get(strip(path))
             if data is None:  # fsspec answers with the paths it was given
@@ -262,6 +256,20 @@ class Store:
                 raise self._error(f"could not read {path}", data) from data
             else:
                 out.append(bytes(data))
+        return out
+
+    def read_each(self, rels: Sequence[str]) -> list[bytes | None]:
+        """:meth:`read_many` one file after another (each read waits for the one before).
+
+        Raises:
+            StorageError: if reading one fails otherwise than by its absence.
+        """
+        out: list[bytes | None] = []
+        for rel in rels:
+            try:
+                out.append(self.read_bytes(rel))
+            except FileNotFoundError:
+                out.append(None)
         return out
 
     def read_known(self, rel: str, known: Mapping[str, bytes | None] | None) -> bytes:

