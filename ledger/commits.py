@@ -17,7 +17,7 @@ import operator
 import os
 import re
 import socket
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -35,7 +35,7 @@ from ledger.errors import (
 )
 from ledger.ranks import RankTable, SegmentRef
 from ledger.schema import READABLE_VERSIONS, SCHEMA_VERSION
-from ledger.store import Store, sha256
+from ledger.store import Fetched, Store, sha256
 from ledger.validate import INT64_MAX, items, obj, relative_path, require, sha256_hex
 
 RUN_FILE = "run.json"
@@ -65,10 +65,6 @@ def _load(store: Store, rel: str, fetched: Fetched | None = None) -> dict[str, A
             f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
     return data
-
-
-Fetched = Mapping[str, bytes | None]
-"""Files already read by :meth:`Store.read_many`, by relative path (``None``: absent)."""
 
 
 # ---------------------------------------------------------------- pipeline state

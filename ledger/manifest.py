@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import binascii
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +58,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ledger.errors import LogCorrupted
-from ledger.store import Store, sha256
+from ledger.store import Fetched, Store, sha256
 
 MANIFEST_SCHEMA = pa.schema(
     [
@@ -193,9 +193,7 @@ def table(commit: object) -> pa.Table:
     return from_rows(commit.id, commit.step, commit.attempt, rows)
 
 
-def _read_checked(
-    store: Store, cid: str, digest: str, fetched: Mapping[str, bytes | None] | None = None
-) -> bytes:
+def _read_checked(store: Store, cid: str, digest: str, fetched: Fetched | None = None) -> bytes:
     """The bytes of commit ``cid``'s manifest (from ``fetched`` when it holds them),
     checked against the SHA-256 ``digest``.
 
@@ -218,9 +216,7 @@ def _read_checked(
     return data
 
 
-def read(
-    store: Store, cid: str, digest: str, fetched: Mapping[str, bytes | None] | None = None
-) -> pa.Table:
+def read(store: Store, cid: str, digest: str, fetched: Fetched | None = None) -> pa.Table:
     """Read the manifest of commit ``cid``, checked against the SHA-256 its marker names
     (its bytes from ``fetched`` when it holds them).
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -29,7 +28,7 @@ import pyarrow.parquet as pq
 
 from ledger.errors import LedgerError, LogCorrupted
 from ledger.schema import EVENT_SCHEMA, EventChunk, chunks_to_table
-from ledger.store import Store, sha256
+from ledger.store import Fetched, Store, sha256
 
 ROW_GROUP_ROWS = 1 << 16
 """Rows per Parquet row group: the unit encoded in the background, and read on resume."""
@@ -210,7 +209,7 @@ def open_segment(
     rows: int | None = None,
     checksum: str | None = None,
     size: int | None = None,
-    fetched: Mapping[str, bytes | None] | None = None,
+    fetched: Fetched | None = None,
 ) -> pq.ParquetFile:
     """Open a segment for reading, checking its checksum and row count when given.
 
@@ -363,7 +362,7 @@ def open_events(
     rows: int | None = None,
     checksum: str | None = None,
     size: int | None = None,
-    fetched: Mapping[str, bytes | None] | None = None,
+    fetched: Fetched | None = None,
 ) -> pq.ParquetFile | pa.Table:
     """A segment's events, checked as :func:`open_segment` checks them, without making a
     Parquet file of a compacted one: the segment's file, or for a segment retired by a
@@ -398,7 +397,7 @@ def _read(
     rel: str,
     rows: int | None,
     checksum: str | None,
-    fetched: Mapping[str, bytes | None] | None = None,
+    fetched: Fetched | None = None,
 ) -> bytes | pa.Table:
     """The segment's bytes (from ``fetched`` when it holds them), or (retired by a
     compaction) its checked rows (:func:`ledger.compaction.piece_events`)."""

@@ -133,6 +133,10 @@ def _precondition_failed(e: BaseException) -> int | None:
     return None
 
 
+Fetched = Mapping[str, bytes | None]
+"""Files already read by :meth:`Store.read_many`, by relative path (``None``: absent)."""
+
+
 class Store:
     """A log root on local disk or any fsspec filesystem.
 
@@ -272,7 +276,7 @@ class Store:
                 out.append(None)
         return out
 
-    def read_known(self, rel: str, known: Mapping[str, bytes | None] | None) -> bytes:
+    def read_known(self, rel: str, known: Fetched | None) -> bytes:
         """``rel``'s bytes from ``known`` (by relative path, as :meth:`read_many` found
         them) when it holds them, else read now.
 

@@ -15,7 +15,7 @@ import itertools
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +31,7 @@ from ledger.errors import LogCorrupted
 from ledger.history import SEGMENTS_SCHEMA, History, segments_table
 from ledger.schema import ERROR, EVENT_COLUMN_SETS, EVENT_SCHEMA, ROLLBACK, SAMPLE, SKIP, SPAN
 from ledger.segments import open_segment
-from ledger.store import Store, sha256
+from ledger.store import Fetched, Store, sha256
 
 _MAX_BITMAP = 1 << 33
 """Largest id range (bytes) counted with a bitmap; beyond it, ids are sorted instead."""
@@ -655,7 +655,7 @@ def check_segment(
     attempt: int,
     ref: SegmentRef,
     columns: list[str],
-    fetched: Mapping[str, bytes | None] | None = None,
+    fetched: Fetched | None = None,
 ) -> pa.Table | str:
     """``ledger verify``'s checks of one segment: it exists, has the size, SHA-256 and
     rows its marker names, the event columns, and only its own attempt and rank (Parquet
