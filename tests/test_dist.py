@@ -426,3 +426,78 @@ def _each_position_once_of_its_source(log: str, mix, done: int, size: int) -> No
         assert [r[2] for r in mine] == [mix.names[s] for s in truth.tolist()]
         for _, p, _, ids, tokens, length, lo, hi in mine:
             assert (ids, tokens, lo, hi) == (1, length, 0, length), (epoch, p)
+
+
+@pytest.mark.xdist_group("two_rank_reference")  # reuses test_dist's 2-rank job
+def test_an_elastic_resume_reads_its_share_of_the_old_ranks_segments(
+    tmp_path, two_rank_reference, monkeypatch
+):
+    """2 -> 3 ranks: new rank r decodes and checks old rank r's newest segment (r < 2) and
+    takes the other old rank's state from the marker's fingerprint, so the job reads each
+    old segment once, not once per new rank. The states equal those of a resume that
+    decodes every old segment (the torchrun tests above compare elastic streams); a
+    damaged old segment is refused by the new rank that reads it, and a fingerprint that
+    disagrees with its segment by the others."""
+    import shutil
+
+    import torch.distributed as dist
+    from conftest import Augmented
+
+    import ledger
+    import ledger.replay
+    from ledger import segments
+    from ledger.commits import read_commit
+    from ledger.errors import LogCorrupted
+    from ledger.ranks import RankTable
+
+    ref_log, ref_out = two_rank_reference
+    root = str(tmp_path / "log")
+    shutil.copytree(ref_log, root)
+    with open(os.path.join(ref_out, "ckpt-0.json")) as f:
+        token = {**json.load(f), "root": root}
+    head = read_commit(Store(root), token["commit"])
+    newest = [head.ranks.newest(r).path for r in range(2)]
+    read: list[str] = []
+    opened = segments.CheckedLater.__init__
+
+    def spy(self, store, rel, **kw):
+        read.append(rel)
+        opened(self, store, rel, **kw)
+
+    monkeypatch.setattr(segments.CheckedLater, "__init__", spy)
+
+    def resume(rank):
+        read.clear()
+        loader = ledger.DataLoader(
+            Augmented(61), batch_size=4, shuffle=True, seed=5, log=root, rank=rank, world_size=3
+        )
+        loader.load_state_dict(token)
+        return loader
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        got = []
+        for rank in range(3):
+            loader = resume(rank)
+            assert read == newest[rank : rank + 1]  # new rank 2 reads none
+            got.append(loader.state)
+        with monkeypatch.context() as m:  # every old segment decoded, by every new rank
+            m.setattr(ledger.replay, "_last_positions", lambda plan, state: None)
+            for rank in range(3):
+                loader = resume(rank)
+                assert read == newest
+                assert loader.state == got[rank]
+        assert got[0].epoch_start == got[1].epoch_start > 0  # the new shape starts mid-epoch
+        with monkeypatch.context() as m:
+            m.setattr(RankTable, "final_batch", lambda self, rank: 12345)
+            with pytest.raises(LogCorrupted, match="fingerprint of rank 1's final batch"):
+                resume(0)
+        with open(os.path.join(root, newest[1]), "r+b") as f:
+            f.seek(100)
+            f.write(b"\x00altered\x00")
+        resume(0)
+        resume(2)  # neither reads old rank 1's segment
+        with pytest.raises(LogCorrupted, match=r"altered|SHA-256"):
+            resume(1)
+    finally:
+        dist.destroy_process_group()

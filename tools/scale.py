@@ -58,7 +58,7 @@ from ledger.commits import (
 from ledger.compaction import compact
 from ledger.loader import TOKEN_VERSION
 from ledger.order import BatchPlan, EpochOrder
-from ledger.ranks import NEWS, SegmentRef, decode, from_rows, pack
+from ledger.ranks import NEWS, SegmentRef, decode, final_batch_of, from_rows, pack
 from ledger.schema import SAMPLE, EventChunk, batch_event, chunks_to_table
 from ledger.segments import encode, segment_path
 from ledger.store import Store, sha256
@@ -115,7 +115,8 @@ def build(root: str, commits: int, world: int, batch: int, batches_per_commit: i
             rel = segment_path(0, r, step)
             store.write_atomic(rel, data)
             ref = SegmentRef(r, rel, sum(ch.rows for ch in chunks), len(data), sha256(data))
-            rows.append(pack(PipelineState(r, 0, step, step), ref, NEWS))
+            final = final_batch_of(chunks, (SAMPLE,))  # as ledger.log records it
+            rows.append(pack(PipelineState(r, 0, step, step), ref, NEWS, final))
         k += batches_per_commit
         header = {
             "id": commit_id(k, 0),
