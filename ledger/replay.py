@@ -226,28 +226,33 @@ def replay_by_marker(
     segment = segments.CheckedLater(store, ref.path, rows=ref.rows, checksum=ref.sha256, keep=False)
     if meanwhile is not None:
         meanwhile()
-    state = _fingerprinted(head, plan, last, lambda: order.sample_ids(last), final)
+    recorded = head.state(rank)
+    before = PipelineState(
+        rank, recorded.epoch, recorded.epoch_batch - 1, recorded.batch - 1,
+        epoch_start=recorded.epoch_start,
+    )  # fmt: skip
+    if recorded.epoch_batch < 1:
+        return None
+    state = _fingerprinted(head, plan, before, last, lambda: order.sample_ids(last), final)
     return None if state is None else (state, segment)
 
 
 def _fingerprinted(
     head: Commit,
     plan: BatchPlan,
+    before: PipelineState,
     last: np.ndarray,
     ids: Callable[[], np.ndarray],
     final: int,
 ) -> PipelineState | None:
-    """The marker's state of rank ``plan.rank`` when one more batch after ``last`` gives
-    it and ``final``, the marker's fingerprint of that rank's final batch, is the one of
-    ``last`` and ``ids()``, the order's ids there; else ``None``."""
+    """The marker's state of rank ``plan.rank`` when one more batch after ``before``
+    gives it (``plan``: the rank's plan for ``before.epoch``) and ``final``, the marker's
+    fingerprint of that rank's final batch, is the one of that batch: ``last``, its
+    positions, and ``ids()``, the order's ids there; else ``None``."""
     recorded = head.state(plan.rank)
-    before = PipelineState(
-        plan.rank, recorded.epoch, recorded.epoch_batch - 1, recorded.batch - 1,
-        epoch_start=recorded.epoch_start,
-    )  # fmt: skip
-    if recorded.epoch_batch < 1 or advance(before, plan) != recorded:
+    if advance(before, plan) != recorded:
         return None
-    found = final_batch_fingerprint(recorded.epoch, recorded.batch - 1, last, ids())
+    found = final_batch_fingerprint(before.epoch, before.batch, last, ids())
     return recorded if found == final else None
 
 
@@ -266,19 +271,41 @@ def _ids_at(
     return out
 
 
-def _last_positions(plan: BatchPlan, state: PipelineState) -> tuple[BatchPlan, np.ndarray] | None:
-    """The rank's plan for ``state.epoch`` and the positions of the last batch ``state``
-    implies, when it lies inside that epoch (``None`` at an epoch's start or end, or for a
-    state outside the plan: those are resumed by decoding)."""
-    if state.epoch_batch < 1 or not 0 <= state.epoch_start <= plan.n:
+_Before = tuple[BatchPlan, PipelineState, np.ndarray, bool]
+"""The plan of the final batch's epoch, the state before that batch, its positions, and
+whether that epoch's start is a guess (see :func:`_final_batch`)."""
+
+
+def _final_batch(plan: BatchPlan, state: PipelineState) -> _Before | None:
+    """Where the final batch that ``state`` implies lies: inside ``state.epoch`` (its
+    ``epoch_batch - 1``), or for a state at an epoch's start, the last batch of the epoch
+    before, guessed to have begun at position 0 (an elastic resume inside that epoch
+    would have moved it: then the fingerprint disagrees and the segment is decoded).
+    ``None`` for a state outside the plan or at the run's start: decoded."""
+    if not 0 <= state.epoch_start <= plan.n:
         return None
-    plan = replace(plan, start=state.epoch_start)
-    if state.epoch_batch >= plan.batches_per_epoch:
+    guess = state.epoch_batch == 0
+    if guess:
+        if state.epoch < 1 or state.batch < 1:
+            return None
+        plan = replace(plan, start=0)
+        k = plan.batches_per_epoch - 1
+        epoch = state.epoch - 1
+        start = 0
+    else:
+        plan = replace(plan, start=state.epoch_start)
+        k = state.epoch_batch - 1
+        epoch = state.epoch
+        start = state.epoch_start
+        if state.epoch_batch >= plan.batches_per_epoch:
+            return None
+    if k < 0:
         return None
-    lo, hi = plan.batch_bounds(state.epoch_batch - 1)
+    lo, hi = plan.batch_bounds(k)
     if not 0 <= lo < hi <= plan.n:
         return None
-    return plan, np.arange(lo, hi, dtype=np.int64)
+    before = PipelineState(state.rank, epoch, k, state.batch - 1, epoch_start=start)
+    return plan, before, np.arange(lo, hi, dtype=np.int64), guess
 
 
 def check_final_batch(head: Commit, rank: int) -> None:
@@ -461,24 +488,26 @@ def resume_elastic(
     # Old rank r's segment is read and checked by new rank r % W_new; the others take its
     # state from the marker when its fingerprint agrees with the order.
     plans = [replace(before, rank=r, world_size=old, start=0) for r in range(old)]
-    marked: dict[int, tuple[BatchPlan, np.ndarray, int]] = {}
+    marked: dict[int, tuple[_Before, int]] = {}
     for r in range(old):
         final = head.ranks.final_batch(r) if head.ranks is not None else None
-        at = _last_positions(plans[r], head.state(r))
+        at = _final_batch(plans[r], head.state(r))
         mixture = ids_of is not logged_sample_ids  # its ids hold their sources
         if r % plan.world_size != plan.rank and final is not None and at and not mixture:
-            marked[r] = (*at, final)
-    ids = _ids_at(order_for, {r: (head.state(r).epoch, m[1]) for r, m in marked.items()})
+            marked[r] = (at, final)
+    ids = _ids_at(order_for, {r: (m[0][1].epoch, m[0][2]) for r, m in marked.items()})
     folded = []
     for r in range(old):
         if r not in marked:
             folded.append(replay(store, head, plans[r], order_for, refs[r], ids_of))
             continue
-        at_plan, last, final = marked[r]
-        state = _fingerprinted(head, at_plan, last, functools.partial(ids.__getitem__, r), final)
+        (at_plan, at_state, last, guess), final = marked[r]
+        found = functools.partial(ids.__getitem__, r)
+        state = _fingerprinted(head, at_plan, at_state, last, found, final)
         if state is None:  # decoded: names what differs, or the fingerprint is wrong
             state = replay(store, head, plans[r], order_for, refs[r], ids_of)
-            check_final_batch(head, r)
+            if not guess:  # (a guessed epoch start may just be wrong)
+                check_final_batch(head, r)
         folded.append(state)
     epoch = min(s.epoch for s in folded)
     start = next(s.epoch_start for s in folded if s.epoch == epoch)

@@ -482,7 +482,7 @@ def test_an_elastic_resume_reads_its_share_of_the_old_ranks_segments(
             assert read == newest[rank : rank + 1]  # new rank 2 reads none
             got.append(loader.state)
         with monkeypatch.context() as m:  # every old segment decoded, by every new rank
-            m.setattr(ledger.replay, "_last_positions", lambda plan, state: None)
+            m.setattr(ledger.replay, "_final_batch", lambda plan, state: None)
             for rank in range(3):
                 loader = resume(rank)
                 assert read == newest
@@ -499,5 +499,54 @@ def test_an_elastic_resume_reads_its_share_of_the_old_ranks_segments(
         resume(2)  # neither reads old rank 1's segment
         with pytest.raises(LogCorrupted, match=r"altered|SHA-256"):
             resume(1)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("batches", [3, 4, 8])  # inside epoch 0; at its end; at epoch 1's
+def test_an_elastic_resume_takes_a_state_at_an_epoch_boundary_from_its_fingerprint(
+    tmp_path, monkeypatch, batches
+):
+    """1 -> 2 ranks from a commit inside an epoch or right after its last batch (the state
+    then names the next epoch; the final batch is the last of the one before): new rank 1
+    reads no segment, new rank 0 the old one's, and both states equal those of a resume
+    that decodes it."""
+    import torch.distributed as dist
+    from conftest import Augmented
+
+    import ledger
+    import ledger.replay
+    from ledger import segments
+    from ledger.testing import take
+
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(Augmented(16), batch_size=4, shuffle=True, seed=3, log=root)
+    list(take(loader, batches))  # 4 batches an epoch
+    token = loader.state_dict()
+    loader.close()
+    read: list[str] = []
+    opened = segments.CheckedLater.__init__
+
+    def spy(self, store, rel, **kw):
+        read.append(rel)
+        opened(self, store, rel, **kw)
+
+    monkeypatch.setattr(segments.CheckedLater, "__init__", spy)
+
+    def resume(rank):
+        read.clear()
+        new = ledger.DataLoader(
+            Augmented(16), batch_size=4, shuffle=True, seed=3, log=root, rank=rank, world_size=2
+        )
+        new.load_state_dict(token)
+        return new.state, len(read)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        got = [resume(0), resume(1)]
+        assert [n for _, n in got] == [1, 0]
+        with monkeypatch.context() as m:  # decode the old rank's segment on every new rank
+            m.setattr(ledger.replay, "_final_batch", lambda plan, state: None)
+            assert [resume(0), resume(1)] == [(s, 1) for s, _ in got]
     finally:
         dist.destroy_process_group()
