@@ -452,8 +452,9 @@ def resume_elastic(
     missing or altered (every old rank's newest segment is checked by one new rank).
     The new rank takes every other old rank's state from the marker when the marker's
     fingerprint of that rank's final batch (rank-table layout 2) equals the one of the
-    batch its state implies, by this loader's order (as :func:`replay_by_marker` does);
-    otherwise, and for a table of layout 1, it decodes that segment too. So a new rank
+    batch its state implies, by this loader's order (as :func:`replay_by_marker` does;
+    for a state at an epoch's start, see :func:`_final_batch`); otherwise, and for a
+    table of layout 1, it decodes that segment too. So a new rank
     reads about ``W_old / W_new`` segments (before: all ``W_old``, ``W_old * W_new`` reads
     for the job), and the cost is O(W_old) per new rank in CPU, independent of the
     history's length. With
