@@ -428,6 +428,38 @@ def _each_position_once_of_its_source(log: str, mix, done: int, size: int) -> No
             assert (ids, tokens, lo, hi) == (1, length, 0, length), (epoch, p)
 
 
+def _elastic_resumer(monkeypatch, tmp_path, token, n, seed, world):
+    """A function ``rank -> (state, segments read)`` resuming ``token`` as rank ``rank`` of
+    ``world`` (a map-style ``Augmented(n)``, batch 4), in this process: a 1-process gloo
+    group stands for the job (a resume issues no collective). Destroy the group after."""
+    import torch.distributed as dist
+    from conftest import Augmented
+
+    import ledger
+    from ledger import segments
+
+    read: list[str] = []
+    opened = segments.CheckedLater.__init__
+
+    def spy(self, store, rel, **kw):
+        read.append(rel)
+        opened(self, store, rel, **kw)
+
+    monkeypatch.setattr(segments.CheckedLater, "__init__", spy)
+
+    def resume(rank):
+        read.clear()
+        new = ledger.DataLoader(
+            Augmented(n), batch_size=4, shuffle=True, seed=seed, log=token["root"], rank=rank,
+            world_size=world,
+        )  # fmt: skip
+        new.load_state_dict(token)
+        return new.state, list(read)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    return resume
+
+
 @pytest.mark.xdist_group("two_rank_reference")  # reuses test_dist's 2-rank job
 def test_an_elastic_resume_reads_its_share_of_the_old_ranks_segments(
     tmp_path, two_rank_reference, monkeypatch
@@ -441,11 +473,8 @@ def test_an_elastic_resume_reads_its_share_of_the_old_ranks_segments(
     import shutil
 
     import torch.distributed as dist
-    from conftest import Augmented
 
-    import ledger
     import ledger.replay
-    from ledger import segments
     from ledger.commits import read_commit
     from ledger.errors import LogCorrupted
     from ledger.ranks import RankTable
@@ -457,37 +486,14 @@ def test_an_elastic_resume_reads_its_share_of_the_old_ranks_segments(
         token = {**json.load(f), "root": root}
     head = read_commit(Store(root), token["commit"])
     newest = [head.ranks.newest(r).path for r in range(2)]
-    read: list[str] = []
-    opened = segments.CheckedLater.__init__
-
-    def spy(self, store, rel, **kw):
-        read.append(rel)
-        opened(self, store, rel, **kw)
-
-    monkeypatch.setattr(segments.CheckedLater, "__init__", spy)
-
-    def resume(rank):
-        read.clear()
-        loader = ledger.DataLoader(
-            Augmented(61), batch_size=4, shuffle=True, seed=5, log=root, rank=rank, world_size=3
-        )
-        loader.load_state_dict(token)
-        return loader
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    resume = _elastic_resumer(monkeypatch, tmp_path, token, 61, 5, 3)
     try:
-        got = []
-        for rank in range(3):
-            loader = resume(rank)
-            assert read == newest[rank : rank + 1]  # new rank 2 reads none
-            got.append(loader.state)
+        got = [resume(rank) for rank in range(3)]
+        assert [read for _, read in got] == [newest[:1], newest[1:], []]  # rank 2 reads none
         with monkeypatch.context() as m:  # every old segment decoded, by every new rank
             m.setattr(ledger.replay, "_final_batch", lambda plan, state: None)
-            for rank in range(3):
-                loader = resume(rank)
-                assert read == newest
-                assert loader.state == got[rank]
-        assert got[0].epoch_start == got[1].epoch_start > 0  # the new shape starts mid-epoch
+            assert [resume(rank) for rank in range(3)] == [(state, newest) for state, _ in got]
+        assert got[0][0].epoch_start == got[1][0].epoch_start > 0  # the new shape: mid-epoch
         with monkeypatch.context() as m:
             m.setattr(RankTable, "final_batch", lambda self, rank: 12345)
             with pytest.raises(LogCorrupted, match="fingerprint of rank 1's final batch"):
@@ -516,7 +522,6 @@ def test_an_elastic_resume_takes_a_state_at_an_epoch_boundary_from_its_fingerpri
 
     import ledger
     import ledger.replay
-    from ledger import segments
     from ledger.testing import take
 
     root = str(tmp_path / "log")
@@ -524,29 +529,12 @@ def test_an_elastic_resume_takes_a_state_at_an_epoch_boundary_from_its_fingerpri
     list(take(loader, batches))  # 4 batches an epoch
     token = loader.state_dict()
     loader.close()
-    read: list[str] = []
-    opened = segments.CheckedLater.__init__
-
-    def spy(self, store, rel, **kw):
-        read.append(rel)
-        opened(self, store, rel, **kw)
-
-    monkeypatch.setattr(segments.CheckedLater, "__init__", spy)
-
-    def resume(rank):
-        read.clear()
-        new = ledger.DataLoader(
-            Augmented(16), batch_size=4, shuffle=True, seed=3, log=root, rank=rank, world_size=2
-        )
-        new.load_state_dict(token)
-        return new.state, len(read)
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    resume = _elastic_resumer(monkeypatch, tmp_path, token, 16, 3, 2)
     try:
         got = [resume(0), resume(1)]
-        assert [n for _, n in got] == [1, 0]
+        assert [len(read) for _, read in got] == [1, 0]
         with monkeypatch.context() as m:  # decode the old rank's segment on every new rank
             m.setattr(ledger.replay, "_final_batch", lambda plan, state: None)
-            assert [resume(0), resume(1)] == [(s, 1) for s, _ in got]
+            assert [resume(0), resume(1)] == [(state, got[0][1]) for state, _ in got]
     finally:
         dist.destroy_process_group()
