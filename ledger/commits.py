@@ -941,15 +941,15 @@ def read_commits(store: Store, cids: Sequence[str]) -> list[Commit]:
             and (parsed is None or (store.uri, cid) not in parsed)
         ]
         markers = [marker_path(cid) for cid in todo]
-        fetched: dict[str, bytes | None] = dict(zip(markers, store.read_many(markers), strict=True))
+        fetched = dict(store.read_ahead(markers) or {})
         tables = []
         for rel in markers:
-            data = _peek_json(fetched[rel])
+            data = _peek_json(fetched.get(rel))
             ref = data.get("ranks") if isinstance(data, dict) else None
             path = ref.get("path") if isinstance(ref, dict) else None
             if isinstance(path, str) and _RANKS_PATH.fullmatch(path):
                 tables.append(path)  # checked again, field by field, when parsed
-        fetched.update(zip(tables, store.read_many(tables), strict=True))
+        fetched.update(store.read_ahead(tables) or {})
         out += [read_commit(store, cid, fetched) for cid in chunk]
     return out
 

@@ -318,7 +318,7 @@ def check(store: Store, commits: Sequence[object], threads: int | None = None) -
     parents = {c.parent for c in by_id.values()}
     named = [c for c in by_id.values() if c.manifest is not None]
 
-    def one(c: Any, fetched: dict[str, bytes | None] | None) -> str | None:
+    def one(c: Any, fetched: Fetched | None) -> str | None:
         try:
             if c.id in parents:  # an inner commit: its SHA-256 binds it to its marker
                 _read_checked(store, c.id, c.manifest[1], fetched)
@@ -329,10 +329,7 @@ def check(store: Store, commits: Sequence[object], threads: int | None = None) -
         return None
 
     def some(chunk: list[Any]) -> list[str | None]:
-        fetched = None
-        if not store.is_local:  # the chunk's files at once (Store.read_many)
-            paths = [manifest_path(c.id) for c in chunk]
-            fetched = dict(zip(paths, store.read_many(paths), strict=True))
+        fetched = store.read_ahead([manifest_path(c.id) for c in chunk])  # at once
         return [one(c, fetched) for c in chunk]
 
     problems: list[str] = []

@@ -490,11 +490,11 @@ def resume_elastic(
     # state from the marker when its fingerprint agrees with the order.
     plans = [replace(before, rank=r, world_size=old, start=0) for r in range(old)]
     marked: dict[int, tuple[_Before, int]] = {}
-    for r in range(old):
+    mixture = ids_of is not logged_sample_ids  # its ids hold their sources
+    for r in range(old if not mixture else 0):
         final = head.ranks.final_batch(r) if head.ranks is not None else None
         at = _final_batch(plans[r], head.state(r))
-        mixture = ids_of is not logged_sample_ids  # its ids hold their sources
-        if r % plan.world_size != plan.rank and final is not None and at and not mixture:
+        if r % plan.world_size != plan.rank and final is not None and at:
             marked[r] = (at, final)
     ids = _ids_at(order_for, {r: (m[0][1].epoch, m[0][2]) for r, m in marked.items()})
     folded = []

@@ -276,6 +276,18 @@ class Store:
                 out.append(None)
         return out
 
+    def read_ahead(self, rels: Sequence[str]) -> Fetched | None:
+        """For an object store, ``rels``' contents fetched at once (:meth:`read_many`), by
+        path, for :meth:`read_known`; ``None`` for a local root or a single file, which
+        the caller then reads as it goes.
+
+        Raises:
+            StorageError: if reading one fails otherwise than by its absence.
+        """
+        if self.is_local or len(rels) < 2:
+            return None
+        return dict(zip(rels, self.read_many(rels), strict=True))
+
     def read_known(self, rel: str, known: Fetched | None) -> bytes:
         """``rel``'s bytes from ``known`` (by relative path, as :meth:`read_many` found
         them) when it holds them, else read now.

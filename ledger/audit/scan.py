@@ -615,10 +615,7 @@ def _segment_tables(
     :class:`_Problems` names each one that fails, in :func:`check_segment`'s words."""
     tables = []
     found: dict[int, str] = {}
-    fetched = None
-    if not store.is_local and len(jobs) > 1:  # the unit's files at once, not one by one
-        paths = [ref.path for _, _, ref in jobs]
-        fetched = dict(zip(paths, store.read_many(paths), strict=True))
+    fetched = store.read_ahead([ref.path for _, _, ref in jobs])  # the unit's files at once
     for k, (cid, attempt, ref) in enumerate(jobs):
         if problems is None:
             pf = open_segment(
