@@ -10,6 +10,8 @@ not depend on the Python version, the process or the memory layout of a tensor:
 - tensors and numpy arrays: a type tag, the dtype, the shape, then the elements as
   C-contiguous bytes in native (little-endian on every platform torch supports) order;
 - ``Mapping``: its items ordered by ``str(key)``; ``list``/``tuple``: length then items;
+- a dataclass instance (a batch class of one's own): its fields in declaration order,
+  each name then value (the class's name is not part of it, as a mapping's type is not);
 - ``str``/``bytes``: length then the UTF-8/raw bytes; ``int``, ``float`` (``float.hex``),
   ``bool``, ``None`` and numpy scalars by value.
 """
@@ -17,6 +19,7 @@ not depend on the Python version, the process or the memory layout of a tensor:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 from collections.abc import Mapping
 from typing import Any
@@ -38,8 +41,9 @@ def digest_bytes(batch: Any) -> bytes:
 
     Args:
         batch: a collated batch: tensors (any dtype and shape, on any device), numpy
-            arrays (not of ``object`` dtype), and mappings, lists and tuples of them, of
-            ``str``, ``bytes``, ``int``, ``float``, ``bool`` and ``None``.
+            arrays (not of ``object`` dtype), and mappings, lists, tuples and dataclass
+            instances of them, of ``str``, ``bytes``, ``int``, ``float``, ``bool`` and
+            ``None``.
 
     Returns:
         The 32-byte digest.
@@ -170,9 +174,16 @@ def _update(h: Any, x: Any) -> None:
         h.update(f"I{x};".encode())
     elif isinstance(x, float):
         h.update(f"F{x.hex()};".encode())
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        fields = dataclasses.fields(x)
+        h.update(f"D{len(fields)}".encode())
+        for f in fields:
+            _update(h, f.name)
+            _update(h, getattr(x, f.name))
     else:
         raise TypeError(
             f"cannot digest a batch holding {type(x).__module__}.{type(x).__qualname__}: "
-            "batches of tensors, arrays, numbers, strings, lists and dicts can be digested; "
+            "batches of tensors, arrays, numbers, strings, lists, dicts and dataclasses "
+            "can be digested; "
             "pass digest=False to the DataLoader for other batches"
         )

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import numpy as np
 import pytest
 import torch
 
+import ledger
+import ledger.audit
 from ledger.digest import batch_digest
 
 
@@ -48,6 +51,51 @@ def test_layout_and_key_order_do_not_matter_content_does():
     changed = _batch()
     changed["b"][1] = -2.5
     assert batch_digest(changed) != batch_digest(_batch())
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    label: int
+
+
+def test_a_dataclass_batch_is_its_fields_in_order():
+    t = torch.tensor([1, 2], dtype=torch.int64)
+    h = hashlib.sha256(b"D2" + b"S1:x" + b"Ttorch.int64(2,)" + np.array([1, 2], "<i8").tobytes())
+    h.update(b"S5:label" + b"I7;")
+    assert batch_digest(_Batch(t, 7)) == h.hexdigest()
+    assert batch_digest(_Batch(t, 8)) != batch_digest(_Batch(t, 7))
+    assert batch_digest([_Batch(t, 7)]) != batch_digest([{"x": t, "label": 7}])
+
+
+def test_a_dataclass_batch_is_served_digested_and_resumed(tmp_path):
+    class Samples(torch.utils.data.Dataset):
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            return i
+
+    def collate(ids):
+        return _Batch(torch.tensor(ids), len(ids))
+
+    def loader():
+        return ledger.DataLoader(
+            Samples(), batch_size=4, shuffle=True, seed=3, log=str(tmp_path), collate_fn=collate
+        )
+
+    first = loader()
+    it = iter(first)
+    seen = next(it)
+    token = first.state_dict()
+    rest = [b.x.tolist() for b in it]
+    resumed = loader()
+    resumed.load_state_dict(token)
+    assert [b.x.tolist() for b in resumed] == rest
+    assert isinstance(seen, _Batch)
+    con = ledger.audit.connect(str(tmp_path))
+    logged = con.sql("SELECT digest FROM events WHERE kind = 'batch' AND batch = 0").fetchall()
+    assert [bytes(d) for (d,) in logged] == [bytes.fromhex(batch_digest(seen))]
 
 
 def test_an_undigestable_batch_is_a_type_error():
