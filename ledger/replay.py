@@ -25,7 +25,7 @@ batch reaches the training loop). A disagreement, or an older marker, falls back
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -47,7 +47,7 @@ from ledger.errors import LogCorrupted, ResumeMismatch
 from ledger.order import BatchPlan
 from ledger.ranks import final_batch_fingerprint
 from ledger.schema import BUFFER, ERROR, ROLLBACK, SAMPLE, SKIP, EventChunk
-from ledger.store import Store
+from ledger.store import Fetched, Store
 
 if TYPE_CHECKING:
     from ledger.stream.pipeline import StreamPipeline
@@ -586,16 +586,18 @@ def replay_stream(pipeline: StreamPipeline, store: Store, head: Commit) -> Pipel
 
 
 def read_buffers(
-    pipeline: StreamPipeline, head: Commit, state: PipelineState
+    pipeline: StreamPipeline,
+    head: Commit,
+    state: PipelineState,
+    fetched: Fetched | None = None,
 ) -> dict[int, list[int]]:
     """Buffer contents of ``state``'s rank at ``head``, by worker, in slot order: the
     ``buffer`` events of the rank's newest segment (one look-up of the newest segments
-    per head, shared by its ranks through ``pipeline.newest``)."""
-    if not any(w.rows_read > w.emitted for w in state.workers):
+    per head, shared by its ranks through ``pipeline.newest``; the segment taken from
+    ``fetched`` when it holds it, see :func:`newest_with_buffers`)."""
+    if not holds_buffers(state):
         return {}
-    if head.id not in pipeline.newest:  # one look-up per head for all its ranks
-        pipeline.newest = {head.id: newest_segments(pipeline.store, head, len(head.states))}
-    ref = pipeline.newest[head.id][state.rank]
+    ref = newest_of(pipeline, head)[state.rank]
     if ref is None:
         raise LogCorrupted(f"commit {head.id} has buffered samples but no segment")
     table = segments.read(
@@ -604,6 +606,7 @@ def read_buffers(
         rows=ref.rows,
         checksum=ref.sha256,
         columns=["worker", "batch", "position", "sample_id", "kind"],
+        fetched=fetched,
     )
     table = table.filter(pc.equal(table["kind"].cast(pa.string()), BUFFER))
     table = table.filter(pc.equal(table["batch"], state.batch))
@@ -613,6 +616,38 @@ def read_buffers(
         order = np.argsort(rows["position"].to_numpy())
         buffers[w.worker] = rows["sample_id"].to_numpy()[order].tolist()
     return buffers
+
+
+def holds_buffers(state: PipelineState) -> bool:
+    """Whether a stream rank's state has rows in a shuffle buffer (read, not handed on)."""
+    return any(w.rows_read > w.emitted for w in state.workers)
+
+
+def newest_of(pipeline: StreamPipeline, head: Commit) -> list[SegmentRef | None]:
+    """Each rank's newest segment at ``head``: the head marker read once per head."""
+    if head.id not in pipeline.newest:
+        pipeline.newest = {head.id: newest_segments(pipeline.store, head, len(head.states))}
+    return pipeline.newest[head.id]
+
+
+def newest_with_buffers(
+    pipeline: StreamPipeline, head: Commit, states: Iterable[PipelineState]
+) -> Fetched | None:
+    """On an object store, the newest segments of the ``states``' ranks that hold buffered
+    rows, fetched at once (:meth:`ledger.store.Store.read_ahead`): what a change of shape
+    reads of every old rank, W_old requests in flight together rather than one after
+    another. ``None`` on a local root.
+
+    Raises:
+        StorageError: if reading one fails otherwise than by its absence.
+    """
+    holding = [s for s in states if holds_buffers(s)]
+    if len(holding) < 2 or pipeline.store.is_local:
+        return None
+    refs = newest_of(pipeline, head)
+    return pipeline.store.read_ahead(
+        [ref.path for s in holding if (ref := refs[s.rank]) is not None]
+    )
 
 
 def _check_read(

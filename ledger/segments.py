@@ -454,13 +454,15 @@ def read(
     rows: int | None = None,
     checksum: str | None = None,
     columns: list[str] | None = None,
+    fetched: Fetched | None = None,
 ) -> pa.Table:
-    """Read a whole segment (see :func:`open_segment` for the checks and errors).
+    """Read a whole segment (see :func:`open_segment` for the checks, the errors and
+    ``fetched``).
 
     Returns:
         The events, in the order they were written.
     """
-    pf = open_segment(store, rel, rows=rows, checksum=checksum)
+    pf = open_segment(store, rel, rows=rows, checksum=checksum, fetched=fetched)
     try:
         return pf.read(columns=columns)
     except (pa.ArrowException, OSError, ValueError) as e:

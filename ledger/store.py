@@ -136,6 +136,11 @@ def _precondition_failed(e: BaseException) -> int | None:
 Fetched = Mapping[str, bytes | None]
 """Files already read by :meth:`Store.read_many`, by relative path (``None``: absent)."""
 
+READ_AHEAD = 64
+"""Segments a reader fetches at once from an object store (:meth:`Store.read_ahead`) when
+it needs one of each of many ranks: the requests in flight together, and the most segment
+bytes it holds in memory at a time."""
+
 
 class Store:
     """A log root on local disk or any fsspec filesystem.

@@ -22,7 +22,14 @@ from test_sigkill import _effective_stream, _run
 import ledger
 from ledger.audit import connect, summarize
 from ledger.cli import main
-from ledger.commits import Commit, PipelineState, list_commits, ranks_path, write_commit
+from ledger.commits import (
+    Commit,
+    PipelineState,
+    list_commits,
+    newest_segments,
+    ranks_path,
+    write_commit,
+)
 from ledger.errors import CommitConflict, StorageError
 from ledger.manifest import manifest_path
 from ledger.segments import orphans
@@ -532,3 +539,56 @@ def test_two_ranks_on_s3_one_killed_between_segment_and_marker(s3, tmp_path, two
     assert rows["orphans"]["detail"] == (
         f"{len(left)} orphan segments, ignored by replay ({left[0]} ...)"
     )
+
+
+def test_an_elastic_stream_resume_on_s3_fetches_the_old_ranks_segments_at_once(
+    s3, tmp_path, monkeypatch
+):
+    """A packed stream of 2 ranks (torchrun, on disk) resumed by 1 rank from a copy of its
+    log on S3: the new rank needs every old rank's shuffle buffer and fetches the old
+    ranks' newest segments in one ``read_many`` (not one GET after another), and serves
+    the same batches as the same resume from the log on disk."""
+    from conftest import packed_stream
+    from test_dist import torchrun
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for s in range(4):
+        with open(shards / f"part-{s}.jsonl", "w") as f:
+            for i in range(5 + s):
+                f.write(json.dumps({"text": f"shard {s} doc {i} " + "v" * (3 * i)}) + "\n")
+    log, out = tmp_path / "log", tmp_path / "out"
+    out.mkdir()
+    assert torchrun(2, str(log), str(out), "6", "--shards", str(shards)) == 0
+    token = json.loads((out / "ckpt-0.json").read_text())
+    head = list_commits(Store(str(log)))[-1]
+    assert head.world_size == 2
+    assert all(any(w.rows_read > w.emitted for w in s.workers) for s in head.states)  # buffers
+    root = s3.new_root("elastic-stream")
+    remote = Store(root)
+    for path in sorted(p for p in log.rglob("*") if p.is_file()):
+        remote.write_atomic(str(path.relative_to(log)), path.read_bytes())
+
+    def resumed(root):
+        loader = ledger.DataLoader(
+            packed_stream(str(shards), shuffle_buffer=3), batch_size=2, shuffle=True, seed=5,
+            log=root, num_workers=2,
+        )  # fmt: skip
+        loader.load_state_dict(token)
+        return list(take(loader, 8))
+
+    fetched: list[list[str]] = []
+    read_many = Store.read_many
+
+    def spy(self, rels):
+        if not self.is_local and any("/seg-" in r for r in rels):
+            fetched.append(list(rels))
+        return read_many(self, rels)
+
+    monkeypatch.setattr(Store, "read_many", spy)
+    on_disk = resumed(str(log))
+    assert fetched == []  # a local root reads as it goes
+    on_s3 = resumed(root)
+    assert len(on_s3) == len(on_disk) == 8
+    assert all(batches_equal(a, b) for a, b in zip(on_s3, on_disk, strict=True))
+    assert fetched == [[ref.path for ref in newest_segments(remote, head, 2)]]

@@ -101,7 +101,7 @@ from ledger.commits import Commit, PipelineState, WorkerState, newest_segments, 
 from ledger.errors import ConfigMismatch, LedgerError, LogCorrupted
 from ledger.pipeline import LoaderSettings, in_process, phase_record, refuse_phase
 from ledger.schema import BUFFER, ERROR, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
-from ledger.store import Store
+from ledger.store import READ_AHEAD, Fetched, Store
 from ledger.stream.lanes import EMPTY, Lanes, Positions, cut, source_pieces, source_seed
 from ledger.stream.mixer import MixedDataset, MixedReplica, WorkerPlan
 from ledger.stream.packing import Tail
@@ -414,32 +414,47 @@ class MixedStreamPipeline:
     def _old_buffers(
         self, head: Commit, states: list[PipelineState]
     ) -> dict[tuple[int, int, int], list[int]]:
-        """Lane buffers at ``head``: ``(rank, worker, source) -> ids`` in slot order."""
-        refs = None
+        """Lane buffers at ``head``: ``(rank, worker, source) -> ids`` in slot order (on an
+        object store, the segments of up to ``READ_AHEAD`` old ranks fetched at once)."""
+        holding = [
+            st
+            for st in states
+            if any(w.rows_read > w.emitted for i, w in enumerate(st.workers) if i % self.width)
+        ]
+        if not holding:
+            return {}
+        refs = newest_segments(self.store, head, len(head.states))
         out: dict[tuple[int, int, int], list[int]] = {}
-        for st in states:
-            if not any(w.rows_read > w.emitted for i, w in enumerate(st.workers) if i % self.width):
-                continue
-            if refs is None:
-                refs = newest_segments(self.store, head, len(head.states))
-            ref = refs[st.rank]
-            if ref is None:
-                raise LogCorrupted(f"commit {head.id} has buffered samples but no segment")
-            for (g, s), ids in self._read_buffers(ref, st.batch).items():
-                out[(st.rank, g, s)] = ids
+        for i in range(0, len(holding), READ_AHEAD):
+            chunk = holding[i : i + READ_AHEAD]
+            fetched = self.store.read_ahead(
+                [ref.path for st in chunk if (ref := refs[st.rank]) is not None]
+            )
+            for st in chunk:
+                ref = refs[st.rank]
+                if ref is None:
+                    raise LogCorrupted(f"commit {head.id} has buffered samples but no segment")
+                for (g, s), ids in self._read_buffers(ref, st.batch, fetched=fetched).items():
+                    out[(st.rank, g, s)] = ids
         return out
 
     def _read_buffers(
-        self, ref: Any, batch: int, names: tuple[str, ...] | None = None
+        self,
+        ref: Any,
+        batch: int,
+        names: tuple[str, ...] | None = None,
+        fetched: Fetched | None = None,
     ) -> dict[tuple[int, int], list[int]]:
         """Lane buffers in a segment at ``batch``: ``(worker, source) -> ids`` in slot
-        order, sources by their place in ``names`` (default: the mixture's)."""
+        order, sources by their place in ``names`` (default: the mixture's); the segment
+        from ``fetched`` when it holds it."""
         table = segments.read(
             self.store,
             ref.path,
             rows=ref.rows,
             checksum=ref.sha256,
             columns=["worker", "batch", "position", "sample_id", "kind", "source"],
+            fetched=fetched,
         )
         table = table.filter(pc.equal(table["kind"].cast(pa.string()), BUFFER))
         table = table.filter(pc.equal(table["batch"], batch))

@@ -24,9 +24,9 @@ from ledger.commits import Commit, PipelineState, WorkerState, read_commit
 from ledger.errors import LedgerError, UnsupportedArgument
 from ledger.order import BatchPlan
 from ledger.pipeline import LoaderSettings, in_process, phase_record
-from ledger.replay import read_buffers, replay_stream
+from ledger.replay import newest_with_buffers, read_buffers, replay_stream
 from ledger.schema import BUFFER, ERROR, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SPAN, EventChunk
-from ledger.store import Store
+from ledger.store import READ_AHEAD, Store
 from ledger.stream.plan import EpochPlan, carry_over
 from ledger.stream.replica import Replica, next_worker, replicas
 from ledger.stream.spec import Stream
@@ -171,12 +171,14 @@ class StreamPipeline:
             if epoch < min(s.epoch for s in states) or not carried:
                 self._carries[key] = None
             else:
-                buffers = {
-                    (s.rank, w): ids
-                    for s in states
-                    if s.epoch == epoch
-                    for w, ids in read_buffers(self, head, s).items()
-                }
+                present = [s for s in states if s.epoch == epoch]
+                buffers = {}
+                for i in range(0, len(present), READ_AHEAD):  # on a store, a chunk at once
+                    chunk = present[i : i + READ_AHEAD]
+                    fetched = newest_with_buffers(self, head, chunk)
+                    for s in chunk:
+                        for w, ids in read_buffers(self, head, s, fetched).items():
+                            buffers[s.rank, w] = ids
                 self._carries[key] = carry_over(old, [(s.rank, s) for s in states], buffers, total)
         return self._carries[key]
 
