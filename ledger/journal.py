@@ -4,25 +4,34 @@ The journal is for forensics: after a crash it tells which batches reached the t
 loop after the last commit. It is not needed for exact resume (a model that saw those
 batches died with the process). Each record is written with one ``writev(2)`` of a few
 bytes plus the batch's sample ids as raw little-endian ``int64`` bytes, so appending costs
-one syscall per batch and no Python object per sample. Records reach the OS page cache
+one syscall per batch and no Python object per sample; a map-style batch's ids, which
+are its epoch's order at consecutive positions, are recorded as their count and the
+order's parameters (a record of ~70 bytes instead of 8 per sample), from which the reader
+computes them. Records reach the OS page cache
 before the batch is handed to the training loop: they survive SIGKILL, but not a power
 loss (no fsync per batch). The journal is always a local file, also for an object-store
 root (:func:`ledger.log.default_journal_dir`): the next attempt of the rank uploads it to
 ``ROOT/journal/`` if it holds uncommitted batches.
 
-Framing (version 2): every record is a frame ``MAGIC (4 bytes) | length (uint32 LE) |
+Framing (versions 2 and 3): every record is a frame ``MAGIC (4 bytes) | length (uint32 LE) |
 CRC-32 of the payload (uint32 LE, zlib's, ISO 3309; computed with zlib-ng's, which gives
 the same values faster) | payload``, the payload a msgpack array:
 
 * header: ``["ledger-journal", version, attempt, rank, after_commit or None]``
-* event: ``[kind, epoch, batch, worker, first_position, ids_bytes, extras, digest]``;
+* event: ``[kind, epoch, batch, worker, first_position, ids, extras, digest]``; ``ids``
+  is the sample ids' raw bytes, or (version 3) ``[k, n, seed, shuffle]``: the ids are
+  then those of :class:`ledger.order.EpochOrder` ``(n, seed, epoch, shuffle)`` (the
+  order ``feistel-ff1-splitmix64-r6-v1``) at positions ``first_position ..
+  first_position + k - 1``. Each record carries what it needs, so a damaged header or
+  record loses no other record;
   ``extras`` is ``None`` or a map of the optional columns: ``positions``,
   ``token_start``, ``token_end``, ``length`` (raw ``int64`` bytes) and ``values`` (list
   of str or nil); ``digest`` is the batch's 32-byte content digest or nil (records
   written before it existed have 7 fields).
   Readers ignore keys they do not know, so writers may add columns.
 
-The reader is tolerant: a frame whose checksum, msgpack or fields are wrong is skipped
+The reader is tolerant: a frame whose checksum, msgpack or fields are wrong (positions
+past the order's end too) is skipped
 and counted (it resynchronises on the next ``MAGIC``), a torn final frame (a crash
 mid-write) is dropped, and neither ever raises. Version 1 journals (bare msgpack arrays,
 no checksums) are still read.
@@ -39,7 +48,8 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
-from ledger.schema import DIGEST_BYTES, KINDS, SAMPLE, SPAN, EventChunk
+from ledger.order import EpochOrder
+from ledger.schema import DIGEST_BYTES, KINDS, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
 
 try:  # zlib-ng's CRC-32: the same values as zlib's, ~5x faster (4 KiB: 0.4 against 2.2 µs)
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -47,14 +57,34 @@ except ImportError:  # an install without it (e.g. one made before it was requir
     from zlib import crc32 as _crc32
 
 MAGIC = "ledger-journal"
-VERSION = 2
-"""Journal format version (1: bare msgpack arrays; 2: checksummed frames)."""
+VERSION = 3
+"""Journal format version (1: bare msgpack arrays; 2: checksummed frames; 3: a map-style
+batch's ids may be given as a count of positions of its order)."""
+_JOURNAL_ORDER = "feistel-ff1-splitmix64-r6-v1"
+"""The order of version 3's counts (:data:`ledger.schema.ORDER_ALGORITHM` when it was
+made): a later order would come with a new journal version."""
 _FRAME = struct.Struct("<4sII")
 _FRAME_MAGIC = b"\xffLJ\xfe"
 _MAX_RECORD = 1 << 30  # bytes; a larger length field is damage, not a record
 _ARRAYS = ("positions", "token_start", "token_end", "length", "sources", "source_epochs")
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _LE_INT64 = np.dtype("<i8")
+
+
+@dataclass(frozen=True, slots=True)
+class JournalOrder:
+    """The order a map-style run's batches are cut from, which a journal record names so
+    that it can give a batch's ids as a count (see the module's docstring).
+
+    Attributes:
+        n: dataset length (samples).
+        seed: the run's seed.
+        shuffle: whether each epoch is shuffled.
+    """
+
+    n: int
+    seed: int
+    shuffle: bool
 
 
 def journal_path(attempt: int, rank: int) -> str:
@@ -69,12 +99,18 @@ class Journal:
         path: OS path of the journal file (created with its directory).
         attempt: attempt number written in the header.
         rank: rank written in the header.
+        order: the run's order, for a map-style run: chunks marked ``from_order`` are then
+            recorded by their count. ``None``: every record holds its ids.
     """
 
-    def __init__(self, path: str, attempt: int, rank: int) -> None:
+    def __init__(
+        self, path: str, attempt: int, rank: int, order: JournalOrder | None = None
+    ) -> None:
         self.path = path
         self.attempt = attempt
         self.rank = rank
+        # Counts only of the order version 3 names (a new order comes with a new version).
+        self.order = order if ORDER_ALGORITHM == _JOURNAL_ORDER else None
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         # Closes the descriptor when the journal is garbage-collected without close():
@@ -97,6 +133,17 @@ class Journal:
         # come in the same order either way, so the bytes are the same.
         c = chunk
         extras: dict[str, Any] | None
+        order = self.order
+        if c.from_order and order is not None and c.positions is None and c.sources is None:
+            payload = cast(
+                bytes,
+                self._pack(
+                    [c.kind, c.epoch, c.batch, c.worker, c.position,
+                     [len(c.sample_ids), order.n, order.seed, order.shuffle],
+                     _extras(c) if c.values else None, c.digest]
+                ),
+            )  # fmt: skip
+            return _FRAME.pack(_FRAME_MAGIC, len(payload), _crc32(payload)), payload
         if c.positions is None or c.sources is not None or c.source_epochs is not None:
             extras = _extras(c)
         elif c.token_start is None and c.token_end is None and c.length is None:
@@ -209,7 +256,30 @@ def _header(rec: Any) -> dict[str, Any]:
             "after_commit": after}  # fmt: skip
 
 
-def _chunk(rec: Any) -> EventChunk:
+class _Orders:
+    """Sample ids of records given as a count of an order's positions (the latest
+    :class:`ledger.order.EpochOrder` kept: a journal's records share one per epoch)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[int, int, int, bool], EpochOrder] | None = None
+
+    def ids(self, epoch: int, position: int, raw: list[Any]) -> np.ndarray:
+        if len(raw) != 4:
+            raise _Bad("ids are neither bytes nor [count, n, seed, shuffle]")
+        if ORDER_ALGORITHM != _JOURNAL_ORDER:  # a later version whose order differs
+            raise _Bad(f"ids given by positions of {_JOURNAL_ORDER}, which this version lacks")
+        count, n, seed, shuffle = _int(raw[0], 1), _int(raw[1], 1), raw[2], raw[3]
+        if not isinstance(shuffle, bool) or not isinstance(seed, int) or isinstance(seed, bool):
+            raise _Bad("the order of a record's ids has no seed or shuffle flag")
+        if n >= 1 << 62 or position < 0 or position + count > n:
+            raise _Bad("a record's positions run past its order's end")
+        key = (n, seed, epoch, shuffle)
+        if self._last is None or self._last[0] != key:
+            self._last = (key, EpochOrder(n, seed, epoch, shuffle))
+        return self._last[1].sample_ids(np.arange(position, position + count, dtype=np.int64))
+
+
+def _chunk(rec: Any, orders: _Orders) -> EventChunk:
     """An event record as a chunk; raises :class:`_Bad` for any field that is wrong."""
     if not (isinstance(rec, list) and len(rec) in (7, 8)):
         raise _Bad("not an event record")
@@ -219,7 +289,14 @@ def _chunk(rec: Any) -> EventChunk:
         raise _Bad("digest is not 32 bytes")
     if kind not in KINDS:
         raise _Bad(f"unknown kind {kind!r}")
-    ids = _array(raw, None)
+    if isinstance(raw, list):
+        if extras is not None and (
+            not isinstance(extras, dict) or any(extras.get(a) is not None for a in _ARRAYS)
+        ):
+            raise _Bad("a count of ids with columns of their own")
+        ids = orders.ids(_int(epoch, 0), _int(position), raw)
+    else:
+        ids = _array(raw, None)
     arrays: dict[str, np.ndarray] = {}
     values = None
     if extras is not None:
@@ -248,9 +325,12 @@ def _chunk(rec: Any) -> EventChunk:
             arrays_names = None
     else:
         arrays_names = None
+    get = arrays.get
     return EventChunk(
         kind, _int(epoch, 0), _int(batch, 0), _int(worker, -1), _int(position), ids,
-        values=values, digest=digest, source_names=arrays_names, **arrays,
+        positions=get("positions"), token_start=get("token_start"), token_end=get("token_end"),
+        length=get("length"), values=values, digest=digest, sources=get("sources"),
+        source_names=arrays_names, source_epochs=get("source_epochs"),
     )  # fmt: skip
 
 
@@ -276,6 +356,7 @@ def parse_journal(data: bytes) -> JournalContents:
     if data[:4] != _FRAME_MAGIC:
         return _parse_v1(data)
     out = JournalContents()
+    orders = _Orders()
     pos, end, in_sync = 0, len(data), True
     while pos < end:
         if data[pos : pos + 4] == _FRAME_MAGIC and pos + _FRAME.size <= end:
@@ -291,7 +372,7 @@ def parse_journal(data: bytes) -> JournalContents:
                     if pos == 0:
                         out.header = _header(rec)
                     else:
-                        out.chunks.append(_chunk(rec))
+                        out.chunks.append(_chunk(rec, orders))
                 except _Bad:
                     out.unreadable += 1  # a record written well that does not check
                 pos, in_sync = body + length, True
@@ -316,7 +397,7 @@ def _parse_v1(data: bytes) -> JournalContents:
         return out
     try:
         for rec in unpacker:
-            out.chunks.append(_chunk(rec))
+            out.chunks.append(_chunk(rec, _Orders()))
     except _Bad:
         out.unreadable += 1
     except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException):

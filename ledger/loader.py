@@ -393,7 +393,7 @@ class DataLoader:
             self._start_attempt()
 
     def _start_attempt(self) -> None:
-        self._ledger.start(self._resume_from)
+        self._ledger.start(self._resume_from, self._pipeline.journal_order())
         for chunk in self._resume_events:  # e.g. a tail an elastic resume left unservable
             self._ledger.append(chunk)
         self._resume_events = []

@@ -27,7 +27,7 @@ from ledger.commits import (
 )
 from ledger.dist import Group
 from ledger.errors import CommitConflict, LedgerError, StorageError
-from ledger.journal import Journal, journal_path, read_journal
+from ledger.journal import Journal, JournalOrder, journal_path, read_journal
 from ledger.ranks import FAILED, NEWS, NO_NEWS, final_batch_of, from_rows, pack
 from ledger.schema import ERROR, ROLLBACK, SAMPLE, EventChunk, chunks_to_table
 from ledger.segments import SegmentBuilder, encode, segment_path
@@ -162,10 +162,12 @@ class Ledger:
         self.phase = phase
         self._config = {}
 
-    def start(self, parent: Commit | None) -> int:
+    def start(self, parent: Commit | None, order: JournalOrder | None = None) -> int:
         """Start a new attempt resuming from ``parent`` (``None``: from the beginning).
 
         Discards events appended and not committed by a previous attempt of this object.
+        ``order``: a map-style run's order, named in the journal's header so that its
+        records give a batch's ids as a count (:class:`ledger.journal.JournalOrder`).
 
         Returns:
             The new attempt number.
@@ -184,7 +186,7 @@ class Ledger:
         if self._journal is not None:
             self._journal.close()
         self._upload_journals()
-        self._journal = Journal(self._journal_file(self.attempt), self.attempt, self.rank)
+        self._journal = Journal(self._journal_file(self.attempt), self.attempt, self.rank, order)
         self._journal.reset(parent.id if parent else None)
         return self.attempt
 

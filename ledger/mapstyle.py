@@ -35,6 +35,7 @@ from ledger.commits import Commit, PipelineState
 from ledger.digest import digest_bytes
 from ledger.errors import LedgerError, SampleError, UnsupportedArgument
 from ledger.fetch import Failure, RngMode, batch_getter, load_batch, load_in_loop
+from ledger.journal import JournalOrder
 from ledger.order import BatchPlan, EpochOrder, batch_seeds
 from ledger.pipeline import PHASE_BATCHING, LoaderSettings, in_process, phase_record
 from ledger.replay import (
@@ -364,6 +365,9 @@ class MapPipeline:
     def initial_state(self) -> PipelineState:
         return PipelineState(self.plan.rank, 0, 0, 0)
 
+    def journal_order(self) -> JournalOrder | None:
+        return JournalOrder(self.plan.n, self.settings.seed, self.settings.shuffle)
+
     def plan_at(self, state: PipelineState) -> BatchPlan:
         """This rank's plan for ``state.epoch`` (which may start mid-epoch: elastic resume)."""
         if state.epoch_start == 0:
@@ -407,7 +411,7 @@ class MapPipeline:
             events = [
                 EventChunk(
                     SAMPLE, req.epoch, req.batch, worker, req.position, req.sample_ids,
-                    digest=digest,
+                    digest=digest, from_order=True,
                 )
             ]  # fmt: skip
         plan = self.plan if state.epoch_start == 0 else self.plan_at(state)

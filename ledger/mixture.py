@@ -44,6 +44,7 @@ import pyarrow as pa
 from ledger.commits import PHASE_KEYS, Commit, PipelineState
 from ledger.errors import ConfigMismatch, UnsupportedArgument
 from ledger.fetch import batch_getter
+from ledger.journal import JournalOrder
 from ledger.mapstyle import MapPipeline
 from ledger.order import BatchPlan, EpochOrder, derive_key
 from ledger.pipeline import PHASE_BATCHING, LoaderSettings, refuse_phase
@@ -540,6 +541,9 @@ class MixturePipeline(MapPipeline):
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "mixture": self.mixture.config()}
+
+    def journal_order(self) -> JournalOrder | None:
+        return None  # a mixture's ids hold their sources: the journal records them
 
     def order(self, epoch: int) -> MixtureOrder:  # type: ignore[override]
         order = self._mixture_orders.get(epoch)

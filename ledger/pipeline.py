@@ -28,6 +28,7 @@ from torch.utils.data._utils.pin_memory import pin_memory
 
 from ledger.commits import Commit, PipelineState
 from ledger.fetch import OnError, RngMode
+from ledger.journal import JournalOrder
 from ledger.schema import EventChunk
 from ledger.store import Store
 
@@ -140,6 +141,11 @@ class Pipeline(Protocol):
         Raises:
             LedgerError: if torch ended the epoch while samples were left.
         """
+        ...
+
+    def journal_order(self) -> JournalOrder | None:
+        """The order whose consecutive positions this pipeline's ``from_order`` chunks
+        hold (a map-style dataset's), for the journal; ``None``: it makes none."""
         ...
 
     def snapshot(self, state: PipelineState) -> list[EventChunk]:

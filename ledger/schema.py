@@ -155,6 +155,9 @@ class EventChunk:
         source_names: the mixture's source names, when ``sources`` is given.
         source_epochs: ``int64`` array ``(rows,)``: each row's source epoch (a mixture of
             streams), or ``None``.
+        from_order: the ids are the epoch's order at positions ``position, position + 1,
+            ...`` (a map-style batch; :class:`ledger.order.EpochOrder`): the journal
+            records their count instead of the ids (:mod:`ledger.journal`).
     """
 
     kind: str
@@ -172,6 +175,7 @@ class EventChunk:
     sources: np.ndarray | None = None
     source_names: tuple[str, ...] | None = None
     source_epochs: np.ndarray | None = None
+    from_order: bool = False
 
     @property
     def rows(self) -> int:

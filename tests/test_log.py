@@ -331,3 +331,61 @@ def test_journal_records_of_batches_and_spans_match_the_general_encoding(tmp_pat
     assert [c.positions.tolist() for c in back] == [c.positions.tolist() for c in chunks]
     assert back[2].token_end.tolist() == spans[:, 1].tolist()
     assert back[1].values == ["{}"] * 5 and back[0].digest == b"d" * 32
+
+
+def test_a_map_style_batch_is_journaled_as_a_count_of_its_orders_positions(tmp_path):
+    """A record gives a map-style batch's ids as ``[count, n, seed, shuffle]`` (the ids
+    are the epoch's order at consecutive positions): its size does not grow with the
+    batch, it reads back as the ids served, and a record whose order is wrong or whose
+    positions run past the order's end is skipped and counted, not read as other ids.
+    Each record carries its order: a damaged header loses no record."""
+    import msgpack
+
+    from ledger.journal import _FRAME, parse_journal
+
+    def journal(batch_size):
+        root = str(tmp_path / f"log-{batch_size}")
+        loader = ledger.DataLoader(
+            Augmented(1000), batch_size=batch_size, shuffle=True, seed=11, log=root
+        )
+        served = [b["id"].tolist() for b in take(loader, 3)]
+        path = os.path.join(root, "journal", "attempt=0", "rank=0.msgpack")
+        with open(path, "rb") as f:
+            return f.read(), served
+
+    small, _ = journal(4)
+    data, served = journal(256)
+    # Three records and a header, ~70 bytes each (bytes ids: 3 x 2 KiB at batch 256).
+    assert len(data) < 400 and len(data) < len(small) + 32
+    contents = parse_journal(data)
+    assert [c.sample_ids.tolist() for c in contents.chunks] == served
+    order = EpochOrder(1000, 11, 0, True)
+    assert served[1] == order.sample_ids(np.arange(256, 512)).tolist()
+
+    frames, at = [], 0
+    while at < len(data):
+        _, length, _ = _FRAME.unpack_from(data, at)
+        frames.append(msgpack.unpackb(data[at + 12 : at + 12 + length]))
+        at += 12 + length
+    assert frames[2][5] == [256, 1000, 11, True]
+
+    def framed(records):
+        out = b""
+        for rec in records:
+            payload = msgpack.packb(rec, use_bin_type=True)
+            out += _FRAME.pack(b"\xffLJ\xfe", len(payload), zlib.crc32(payload)) + payload
+        return out
+
+    bad = [
+        [*frames[1][:5], [256, 1000, 11], *frames[1][6:]],  # no shuffle flag
+        [*frames[1][:5], [256, 1000, 11, 1], *frames[1][6:]],  # not a bool
+        [*frames[1][:4], 900, [256, 1000, 11, True], *frames[1][6:]],  # past the end
+        [*frames[1][:5], [0, 1000, 11, True], *frames[1][6:]],  # no ids
+        [*frames[1][:5], [256, 1000, 11, True], {"positions": b"\0" * 8}, frames[1][7]],
+    ]
+    mixed = parse_journal(framed([frames[0], *bad, frames[2]]))
+    assert mixed.unreadable == len(bad)
+    assert [c.sample_ids.tolist() for c in mixed.chunks] == [served[1]]
+    headless = parse_journal(framed([["not", "a", "header"], *frames[1:]]))
+    assert headless.header is None
+    assert [c.sample_ids.tolist() for c in headless.chunks] == served

@@ -255,8 +255,9 @@ def test_damaged_journal_records_are_skipped_and_counted(pristine, tmp_path):
     intact = parse_journal(data)
     # One record per batch: its samples and its digest.
     assert intact.unreadable == 0 and [c.batch for c in intact.chunks] == [4, 5]
-    # Damage one byte inside the ids of batch 4's sample record.
-    i = data.index(intact.chunks[0].sample_ids.astype("<i8").tobytes())
+    # Damage one byte inside batch 4's sample record (its digest: a map-style record
+    # gives its ids as a count of the order's positions).
+    i = data.index(intact.chunks[0].digest)
     damaged = data[:i] + bytes([data[i] ^ 1]) + data[i + 1 :]
     Path(path).write_bytes(damaged)
     found = parse_journal(damaged)

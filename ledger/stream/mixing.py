@@ -99,6 +99,7 @@ import torch.utils.data as tud
 from ledger import segments
 from ledger.commits import Commit, PipelineState, WorkerState, newest_segments, read_commit
 from ledger.errors import ConfigMismatch, LedgerError, LogCorrupted
+from ledger.journal import JournalOrder
 from ledger.pipeline import LoaderSettings, in_process, phase_record, refuse_phase
 from ledger.schema import BUFFER, ERROR, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
 from ledger.store import READ_AHEAD, Fetched, Store
@@ -618,6 +619,9 @@ class MixedStreamPipeline:
                 f"the workers stopped in mixture epoch {state.epoch} while the plan still "
                 f"holds positions for worker {state.next_worker}"
             )
+
+    def journal_order(self) -> JournalOrder | None:
+        return None  # a stream's ids come from its shuffle buffers: the journal records them
 
     def snapshot(self, state: PipelineState) -> list[EventChunk]:
         """``buffer`` events: each lane's buffer, in slot order (``source`` names it)."""

@@ -22,6 +22,7 @@ import torch.utils.data as tud
 
 from ledger.commits import Commit, PipelineState, WorkerState, read_commit
 from ledger.errors import LedgerError, UnsupportedArgument
+from ledger.journal import JournalOrder
 from ledger.order import BatchPlan
 from ledger.pipeline import LoaderSettings, in_process, phase_record
 from ledger.replay import newest_with_buffers, read_buffers, replay_stream
@@ -326,6 +327,9 @@ class StreamPipeline:
                 f"the workers stopped in epoch {state.epoch} while the plan still holds "
                 f"samples for worker {state.next_worker}"
             )
+
+    def journal_order(self) -> JournalOrder | None:
+        return None  # a stream's ids come from its shuffle buffers: the journal records them
 
     def snapshot(self, state: PipelineState) -> list[EventChunk]:
         """``buffer`` events: each logical worker's buffer contents, in slot order."""
