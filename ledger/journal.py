@@ -256,12 +256,20 @@ def _header(rec: Any) -> dict[str, Any]:
             "after_commit": after}  # fmt: skip
 
 
+_COUNTED_IDS = 1 << 26
+"""The most ids a journal's records may give by count (512 MiB as ``int64``): a record of
+~70 bytes stands for any number of ids, so a damaged or hostile journal could otherwise
+make its reader allocate without bound. Records past it are counted unreadable."""
+
+
 class _Orders:
     """Sample ids of records given as a count of an order's positions (the latest
-    :class:`ledger.order.EpochOrder` kept: a journal's records share one per epoch)."""
+    :class:`ledger.order.EpochOrder` kept: a journal's records share one per epoch), at
+    most :data:`_COUNTED_IDS` in all."""
 
     def __init__(self) -> None:
         self._last: tuple[tuple[int, int, int, bool], EpochOrder] | None = None
+        self._left = _COUNTED_IDS
 
     def ids(self, epoch: int, position: int, raw: list[Any]) -> np.ndarray:
         if len(raw) != 4:
@@ -273,6 +281,9 @@ class _Orders:
             raise _Bad("the order of a record's ids has no seed or shuffle flag")
         if n >= 1 << 62 or position < 0 or position + count > n:
             raise _Bad("a record's positions run past its order's end")
+        if count > self._left:
+            raise _Bad(f"the journal's records give more than {_COUNTED_IDS} ids by count")
+        self._left -= count
         key = (n, seed, epoch, shuffle)
         if self._last is None or self._last[0] != key:
             self._last = (key, EpochOrder(n, seed, epoch, shuffle))

@@ -333,7 +333,7 @@ def test_journal_records_of_batches_and_spans_match_the_general_encoding(tmp_pat
     assert back[1].values == ["{}"] * 5 and back[0].digest == b"d" * 32
 
 
-def test_a_map_style_batch_is_journaled_as_a_count_of_its_orders_positions(tmp_path):
+def test_a_map_style_batch_is_journaled_as_a_count_of_its_orders_positions(tmp_path, monkeypatch):
     """A record gives a map-style batch's ids as ``[count, n, seed, shuffle]`` (the ids
     are the epoch's order at consecutive positions): its size does not grow with the
     batch, it reads back as the ids served, and a record whose order is wrong or whose
@@ -341,6 +341,7 @@ def test_a_map_style_batch_is_journaled_as_a_count_of_its_orders_positions(tmp_p
     Each record carries its order: a damaged header loses no record."""
     import msgpack
 
+    import ledger.journal as journal_module
     from ledger.journal import _FRAME, parse_journal
 
     def journal(batch_size):
@@ -382,6 +383,7 @@ def test_a_map_style_batch_is_journaled_as_a_count_of_its_orders_positions(tmp_p
         [*frames[1][:4], 900, [256, 1000, 11, True], *frames[1][6:]],  # past the end
         [*frames[1][:5], [0, 1000, 11, True], *frames[1][6:]],  # no ids
         [*frames[1][:5], [256, 1000, 11, True], {"positions": b"\0" * 8}, frames[1][7]],
+        [*frames[1][:4], 0, [1 << 40, 1 << 40, 11, True], *frames[1][6:]],  # 8 TiB of ids
     ]
     mixed = parse_journal(framed([frames[0], *bad, frames[2]]))
     assert mixed.unreadable == len(bad)
@@ -389,3 +391,7 @@ def test_a_map_style_batch_is_journaled_as_a_count_of_its_orders_positions(tmp_p
     headless = parse_journal(framed([["not", "a", "header"], *frames[1:]]))
     assert headless.header is None
     assert [c.sample_ids.tolist() for c in headless.chunks] == served
+    # The ids a journal gives by count are bounded in all, not per record.
+    monkeypatch.setattr(journal_module, "_COUNTED_IDS", 600)
+    bounded = parse_journal(data)
+    assert bounded.unreadable == 1 and len(bounded.chunks) == 2
