@@ -254,6 +254,48 @@ def test_fuzz_journal(data: bytes) -> None:
     assert len(contents.chunks) <= len(intact.chunks) + len(data) // 32
 
 
+_ANY = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=24)
+    | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["positions", "values", "sources", "source_names", "x"]), inner,
+        max_size=3,
+    ),
+    max_leaves=8,
+)  # fmt: skip
+_COUNT = st.lists(st.integers(-3, 2**63 - 1) | st.booleans() | st.none(), min_size=3, max_size=5)
+
+
+@FUZZ
+@given(
+    records=st.lists(
+        st.tuples(st.integers(0, 7), _ANY | _COUNT, st.integers(-3, 1 << 40)), max_size=6
+    )
+)
+def test_fuzz_journal_records(records: list[tuple[int, Any, int]]) -> None:
+    """Well-framed records (their CRC-32s right) whose fields are anything, the ids given
+    as a count among them: each is read or counted unreadable, and parsing never raises
+    nor allocates past its bound."""
+    import msgpack
+
+    from ledger.journal import _FRAME, _FRAME_MAGIC, _crc32
+
+    def frame(rec: Any) -> bytes:
+        payload = msgpack.packb(rec, use_bin_type=True)
+        return _FRAME.pack(_FRAME_MAGIC, len(payload), _crc32(payload)) + payload
+
+    data = frame(["ledger-journal", 3, 0, 0, None])
+    for field, value, position in records:
+        rec: list[Any] = ["sample", 0, 1, -1, position, [4, 1000, 7, True], None, None]
+        rec[field] = value
+        data += frame(rec)
+    contents = parse_journal(data)
+    assert contents.header is not None
+    assert len(contents.chunks) + contents.unreadable == len(records)
+    for chunk in contents.chunks:
+        assert chunk.sample_ids.dtype == "int64" and chunk.sample_ids.size <= 2**26
+
+
 @FUZZ
 @given(data=st.just(b"").flatmap(lambda _: mutated(_original(SEGMENT))))
 def test_fuzz_segment(data: bytes) -> None:
