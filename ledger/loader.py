@@ -450,6 +450,12 @@ class DataLoader:
                 yield data
             if generation == self._generation:
                 pipeline.finish(self._state, start_epoch)
+        except BaseException:
+            # Left by an error or dropped mid-epoch (GeneratorExit): end torch's workers
+            # now. An exception's traceback holds torch's iterator, so a reference cycle
+            # would keep them alive until a garbage collection, which then waits on them.
+            self._stop(iterator)
+            raise
         finally:
             if generation == self._generation:
                 self._iter_epoch = None

@@ -86,6 +86,42 @@ def test_persistent_workers_end_with_the_loader(root, how):
         gc.enable()
 
 
+class _FailsAt(Augmented):
+    """Augmented whose sample 5 raises ``error`` (in the worker that loads it)."""
+
+    def __init__(self, n, error):
+        super().__init__(n)
+        self.error = error
+
+    def __getitem__(self, i):
+        if i == 5:
+            raise self.error
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("error", [StopIteration(), KeyError("bad sample")])
+def test_workers_end_when_an_iteration_raises(root, error):
+    """An iteration that raises (the dataset's error re-raised from a worker, or the
+    epoch torch ended early) ends its workers then: the exception's traceback holds
+    torch's iterator, so without that a reference cycle would keep them until a garbage
+    collection, which then waits on them (~5-20 s here)."""
+    gc.disable()
+    before = _children()
+    try:
+        loader = ledger.DataLoader(
+            _FailsAt(64, error), batch_size=4, shuffle=False, log=root, num_workers=2
+        )
+        it = iter(loader)
+        next(it)
+        workers = _children() - before
+        assert len(workers) >= 2
+        with pytest.raises((LedgerError, KeyError)):
+            list(it)
+        assert _wait_until_gone(workers, 10) == set()
+    finally:
+        gc.enable()
+
+
 def test_resume_commit_and_reshape_are_logged(root, caplog):
     caplog.set_level(logging.INFO, logger="ledger")
     loader = ledger.DataLoader(Augmented(16), batch_size=2, log=root, rank=0, world_size=1)
