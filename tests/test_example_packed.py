@@ -98,8 +98,9 @@ def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CleanRun]:
     [
         ("kill", 0),
         # Workers have prefetched batches (and filled their packers) that the killed run
-        # never consumed.
-        ("kill", 2),
+        # never consumed (the long tier: test_sigkill kills a packed stream with 2
+        # workers in CI).
+        pytest.param("kill", 2, marks=pytest.mark.long),
         # Dies between the log commit of step 24 and its checkpoint: the resume from
         # step 16 must leave commit 24 of attempt 0 as an abandoned branch (CI runs this
         # crash mode with test_example's map-style run).
