@@ -147,6 +147,20 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> int:
     return 0
 
 
+def text_shards(folder, shards: int, first: int, pad: str, width: int) -> str:
+    """Write JSONL shards ``part-S.jsonl`` into ``folder`` (a ``Path``, created): shard ``s``
+    holds ``first + s`` documents ``{"text": "shard s doc i " + pad * (width * i)}``, of
+    growing lengths (for packing). Returns the folder as a string."""
+    import json
+
+    folder.mkdir()
+    for s in range(shards):
+        with open(folder / f"part-{s}.jsonl", "w") as f:
+            for i in range(first + s):
+                f.write(json.dumps({"text": f"shard {s} doc {i} " + pad * (width * i)}) + "\n")
+    return str(folder)
+
+
 def packed_stream(shards_dir: str, shuffle_buffer: int, seq_len: int = 16):
     """A packed stream over the JSONL/Parquet files in ``shards_dir`` (byte tokens + 1)."""
     from ledger.stream import Packer, ShardedSource, Stream

@@ -143,12 +143,8 @@ def test_elastic_resume_consumes_each_sample_once(tmp_path, shapes, drop_last):
 
 
 def test_packed_stream_on_two_ranks_resumes_exactly(tmp_path):
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    for s in range(5):  # 5 shards over 2 ranks x 2 workers: one worker gets two
-        with open(shards / f"part-{s}.jsonl", "w") as f:
-            for i in range(4 + s):
-                f.write(json.dumps({"text": f"shard {s} doc {i} " + "q" * (5 * i)}) + "\n")
+    # 5 shards over 2 ranks x 2 workers: one worker gets two
+    shards = conftest.text_shards(tmp_path / "shards", 5, 4, "q", 5)
     extra = ["--shards", str(shards)]
     ref = tmp_path / "ref"
     ref.mkdir()
@@ -177,12 +173,7 @@ def test_packed_stream_on_two_ranks_resumes_exactly(tmp_path):
 
 def test_elastic_packed_stream_two_to_one_to_three_ranks(tmp_path):
     """Buffers and packing remainders in flight at each change of world size."""
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    for s in range(6):
-        with open(shards / f"part-{s}.jsonl", "w") as f:
-            for i in range(3 + s):
-                f.write(json.dumps({"text": f"shard {s} doc {i} " + "w" * (4 * i)}) + "\n")
+    shards = conftest.text_shards(tmp_path / "shards", 6, 3, "w", 4)
     extra = ["--shards", str(shards)]
     log = str(tmp_path / "log")
     for i, (nproc, total) in enumerate([(2, 6), (1, 18), (3, 48)]):

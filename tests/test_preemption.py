@@ -13,7 +13,7 @@ import sys
 import threading
 
 import pytest
-from conftest import Augmented
+from conftest import Augmented, text_shards
 
 import ledger
 from ledger.errors import LedgerError, Preempted
@@ -164,12 +164,7 @@ def _lines(path):
 
 
 def _write_shards(d):
-    d.mkdir()
-    for s in range(2):
-        with open(d / f"part-{s}.jsonl", "w") as f:
-            for i in range(10 + s):
-                f.write(json.dumps({"text": f"shard {s} doc {i} " + "q" * (i * 2)}) + "\n")
-    return str(d)
+    return text_shards(d, 2, 10, "q", 2)
 
 
 @pytest.fixture(scope="module")

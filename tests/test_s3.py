@@ -548,15 +548,10 @@ def test_an_elastic_stream_resume_on_s3_fetches_the_old_ranks_segments_at_once(
     log on S3: the new rank needs every old rank's shuffle buffer and fetches the old
     ranks' newest segments in one ``read_many`` (not one GET after another), and serves
     the same batches as the same resume from the log on disk."""
-    from conftest import packed_stream
+    from conftest import packed_stream, text_shards
     from test_dist import torchrun
 
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    for s in range(4):
-        with open(shards / f"part-{s}.jsonl", "w") as f:
-            for i in range(5 + s):
-                f.write(json.dumps({"text": f"shard {s} doc {i} " + "v" * (3 * i)}) + "\n")
+    shards = text_shards(tmp_path / "shards", 4, 5, "v", 3)
     log, out = tmp_path / "log", tmp_path / "out"
     out.mkdir()
     assert torchrun(2, str(log), str(out), "6", "--shards", str(shards)) == 0

@@ -54,14 +54,9 @@ def test_sigkill_then_resume_gives_the_uninterrupted_stream(
 
 
 def test_sigkill_a_packed_stream_then_resume(tmp_path):
-    import json
+    from conftest import text_shards
 
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    for s in range(3):
-        with open(shards / f"part-{s}.jsonl", "w") as f:
-            for i in range(9 + s):
-                f.write(json.dumps({"text": f"shard {s} doc {i} " + "z" * (i * 3)}) + "\n")
+    shards = text_shards(tmp_path / "shards", 3, 9, "z", 3)
     extra = ["--shards", str(shards)]
     ref = tmp_path / "ref.txt"
     args_ref = [str(tmp_path / "ref"), str(ref), str(tmp_path / "ref.json"), str(TOTAL), *extra]
