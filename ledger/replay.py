@@ -25,7 +25,7 @@ batch reaches the training loop). A disagreement, or an older marker, falls back
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -594,7 +594,7 @@ def read_buffers(
     """Buffer contents of ``state``'s rank at ``head``, by worker, in slot order: the
     ``buffer`` events of the rank's newest segment (one look-up of the newest segments
     per head, shared by its ranks through ``pipeline.newest``; the segment taken from
-    ``fetched`` when it holds it, see :func:`newest_with_buffers`)."""
+    ``fetched`` when it holds it, see :meth:`ledger.store.Store.read_ahead_chunks`)."""
     if not holds_buffers(state):
         return {}
     ref = newest_of(pipeline, head)[state.rank]
@@ -628,26 +628,6 @@ def newest_of(pipeline: StreamPipeline, head: Commit) -> list[SegmentRef | None]
     if head.id not in pipeline.newest:
         pipeline.newest = {head.id: newest_segments(pipeline.store, head, len(head.states))}
     return pipeline.newest[head.id]
-
-
-def newest_with_buffers(
-    pipeline: StreamPipeline, head: Commit, states: Iterable[PipelineState]
-) -> Fetched | None:
-    """On an object store, the newest segments of the ``states``' ranks that hold buffered
-    rows, fetched at once (:meth:`ledger.store.Store.read_ahead`): what a change of shape
-    reads of every old rank, W_old requests in flight together rather than one after
-    another. ``None`` on a local root.
-
-    Raises:
-        StorageError: if reading one fails otherwise than by its absence.
-    """
-    holding = [s for s in states if holds_buffers(s)]
-    if len(holding) < 2 or pipeline.store.is_local:
-        return None
-    refs = newest_of(pipeline, head)
-    return pipeline.store.read_ahead(
-        [ref.path for s in holding if (ref := refs[s.rank]) is not None]
-    )
 
 
 def _check_read(

@@ -30,8 +30,8 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import IO, Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -137,9 +137,10 @@ Fetched = Mapping[str, bytes | None]
 """Files already read by :meth:`Store.read_many`, by relative path (``None``: absent)."""
 
 READ_AHEAD = 64
-"""Segments a reader fetches at once from an object store (:meth:`Store.read_ahead`) when
-it needs one of each of many ranks: the requests in flight together, and the most segment
-bytes it holds in memory at a time."""
+"""Files :meth:`Store.read_ahead_chunks` fetches at once from an object store: the
+requests in flight together, and the most file bytes it holds in memory at a time."""
+
+_T = TypeVar("_T")
 
 
 class Store:
@@ -292,6 +293,21 @@ class Store:
         if self.is_local or len(rels) < 2:
             return None
         return dict(zip(rels, self.read_many(rels), strict=True))
+
+    def read_ahead_chunks(
+        self, items: Sequence[_T], path: Callable[[_T], str | None]
+    ) -> Iterator[tuple[Sequence[_T], Fetched | None]]:
+        """``items`` in chunks of up to :data:`READ_AHEAD`, each with the files
+        ``path(item)`` of its items (``None``: the item has none) fetched at once
+        (:meth:`read_ahead`: ``None`` on a local root); for a reader that needs one file of
+        each of many ranks (a change of shape of a stream reads every old rank's buffers).
+
+        Raises:
+            StorageError: if reading one fails otherwise than by its absence.
+        """
+        for i in range(0, len(items), READ_AHEAD):
+            chunk = items[i : i + READ_AHEAD]
+            yield chunk, self.read_ahead([p for item in chunk if (p := path(item)) is not None])
 
     def read_known(self, rel: str, known: Fetched | None) -> bytes:
         """``rel``'s bytes from ``known`` (by relative path, as :meth:`read_many` found

@@ -102,7 +102,7 @@ from ledger.errors import ConfigMismatch, LedgerError, LogCorrupted
 from ledger.journal import JournalOrder
 from ledger.pipeline import LoaderSettings, in_process, phase_record, refuse_phase
 from ledger.schema import BUFFER, ERROR, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
-from ledger.store import READ_AHEAD, Fetched, Store
+from ledger.store import Fetched, Store
 from ledger.stream.lanes import EMPTY, Lanes, Positions, cut, source_pieces, source_seed
 from ledger.stream.mixer import MixedDataset, MixedReplica, WorkerPlan
 from ledger.stream.packing import Tail
@@ -416,7 +416,7 @@ class MixedStreamPipeline:
         self, head: Commit, states: list[PipelineState]
     ) -> dict[tuple[int, int, int], list[int]]:
         """Lane buffers at ``head``: ``(rank, worker, source) -> ids`` in slot order (on an
-        object store, the segments of up to ``READ_AHEAD`` old ranks fetched at once)."""
+        object store, the old ranks' segments fetched a chunk at once)."""
         holding = [
             st
             for st in states
@@ -426,11 +426,9 @@ class MixedStreamPipeline:
             return {}
         refs = newest_segments(self.store, head, len(head.states))
         out: dict[tuple[int, int, int], list[int]] = {}
-        for i in range(0, len(holding), READ_AHEAD):
-            chunk = holding[i : i + READ_AHEAD]
-            fetched = self.store.read_ahead(
-                [ref.path for st in chunk if (ref := refs[st.rank]) is not None]
-            )
+        for chunk, fetched in self.store.read_ahead_chunks(
+            holding, lambda st: ref.path if (ref := refs[st.rank]) else None
+        ):
             for st in chunk:
                 ref = refs[st.rank]
                 if ref is None:

@@ -25,9 +25,9 @@ from ledger.errors import LedgerError, UnsupportedArgument
 from ledger.journal import JournalOrder
 from ledger.order import BatchPlan
 from ledger.pipeline import LoaderSettings, in_process, phase_record
-from ledger.replay import newest_with_buffers, read_buffers, replay_stream
+from ledger.replay import holds_buffers, newest_of, read_buffers, replay_stream
 from ledger.schema import BUFFER, ERROR, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SPAN, EventChunk
-from ledger.store import READ_AHEAD, Store
+from ledger.store import Store
 from ledger.stream.plan import EpochPlan, carry_over
 from ledger.stream.replica import Replica, next_worker, replicas
 from ledger.stream.spec import Stream
@@ -172,11 +172,13 @@ class StreamPipeline:
             if epoch < min(s.epoch for s in states) or not carried:
                 self._carries[key] = None
             else:
-                present = [s for s in states if s.epoch == epoch]
+                holding = [s for s in states if s.epoch == epoch and holds_buffers(s)]
+                refs = newest_of(self, head) if holding else []
                 buffers = {}
-                for i in range(0, len(present), READ_AHEAD):  # on a store, a chunk at once
-                    chunk = present[i : i + READ_AHEAD]
-                    fetched = newest_with_buffers(self, head, chunk)
+                # On an object store, the old ranks' segments are fetched a chunk at once.
+                for chunk, fetched in self.store.read_ahead_chunks(
+                    holding, lambda s: ref.path if (ref := refs[s.rank]) else None
+                ):
                     for s in chunk:
                         for w, ids in read_buffers(self, head, s, fetched).items():
                             buffers[s.rank, w] = ids
