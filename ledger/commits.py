@@ -195,6 +195,10 @@ _HINTS = {
 
 # Recorded in run.json but free to change between attempts (elastic resume).
 ELASTIC_KEYS = ("world_size", "workers")
+# Recorded in run.json and kept by the run whatever the loader resuming it would choose
+# for a new run: a stream's carry dealing (the pipeline takes the log's, see
+# :meth:`ledger.stream.pipeline.StreamPipeline.check_logged`).
+LOG_KEYS = ("carry",)
 
 
 def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -255,7 +259,7 @@ def _check_config(
         ConfigMismatch: naming the first differing key with both values.
     """
     logged: dict[str, Any] = upgrade_config(run["config"] if phase_config is None else phase_config)
-    for key in sorted((set(logged) | set(config)) - set(ELASTIC_KEYS)):
+    for key in sorted((set(logged) | set(config)) - set(ELASTIC_KEYS) - set(LOG_KEYS)):
         if logged.get(key) != config.get(key):
             hint = _HINTS.get(key, "")
             if key in PHASE_KEYS:

@@ -259,3 +259,41 @@ def test_layout2_commit_on_a_layout1_log_resumes_by_the_marker(ranks1, monkeypat
     again = make_v1.map_loader(root)
     again.load_state_dict(token)
     assert [as_lists(b) for b in take(again, 1)] == batches[10:11]
+
+
+@pytest.fixture
+def carry1(tmp_path):
+    """Copy of ``fixtures/carry1/stream`` (a change of worker count dealt round robin, by
+    the ledger of 701e7b8), shard paths relocated; returns ``(root, shards, tokens,
+    batches)``."""
+    shards = str(tmp_path / "shards")
+    shutil.copytree(os.path.join(FIXTURES, "v1", "shards"), shards)
+    root = str(tmp_path / "stream")
+    shutil.copytree(os.path.join(FIXTURES, "carry1", "stream"), root)
+    run = os.path.join(root, "run.json")
+    with open(run) as f:
+        text = f.read()
+    with open(run, "w") as f:
+        f.write(text.replace("@SHARDS@", shards))
+    with open(os.path.join(root, "tokens.json")) as f:
+        tokens = {int(k): v for k, v in json.loads(f.read().replace("@ROOT@", root)).items()}
+    with open(os.path.join(root, "batches.json")) as f:
+        batches = json.load(f)
+    return root, shards, tokens, batches
+
+
+@pytest.mark.parametrize("after", [3, 6])
+def test_a_log_dealt_round_robin_resumes_as_it_was_served(carry1, after):
+    """The log's change of shape was dealt round robin: resuming it (the change itself, or
+    a commit inside the epoch it carried) serves what that ledger served, not what
+    ``row-blocks-v1`` would deal."""
+    root, shards, tokens, batches = carry1
+    with open(os.path.join(root, "run.json")) as f:
+        assert "carry" not in json.load(f)["config"]
+    loader = ledger.DataLoader(
+        packed_stream(shards, shuffle_buffer=3), batch_size=2, shuffle=True, seed=5,
+        log=root, num_workers=3, rng="sample",
+    )  # fmt: skip
+    loader.load_state_dict(tokens[after])
+    got = [as_lists(b) for b in take(loader, 18 - after)]
+    assert got == batches[after - 3 :]

@@ -21,14 +21,20 @@ import numpy as np
 import torch.utils.data as tud
 
 from ledger.commits import Commit, PipelineState, WorkerState, read_commit
-from ledger.errors import LedgerError, UnsupportedArgument
+from ledger.errors import ConfigMismatch, LedgerError, UnsupportedArgument
 from ledger.journal import JournalOrder
 from ledger.order import BatchPlan
 from ledger.pipeline import LoaderSettings, in_process, phase_record
 from ledger.replay import holds_buffers, newest_of, read_buffers, replay_stream
 from ledger.schema import BUFFER, ERROR, ORDER_ALGORITHM, ROLLBACK, SAMPLE, SPAN, EventChunk
 from ledger.store import Store
-from ledger.stream.plan import EpochPlan, carry_over
+from ledger.stream.plan import (
+    CARRY_ALGORITHM,
+    CARRY_ALGORITHMS,
+    CARRY_ROUND_ROBIN,
+    EpochPlan,
+    carry_over,
+)
 from ledger.stream.replica import Replica, next_worker, replicas
 from ledger.stream.spec import Stream
 from ledger.stream.worker import BatchMeta, StreamDataset, identity
@@ -113,8 +119,9 @@ class StreamPipeline:
         self.buffers: dict[int, list[int]] = {}  # at the state the replicas started from
         self.replicas: list[Replica] = []
         self._states: list[WorkerState] = []
-        self._plans: dict[tuple[int, str, int, int], EpochPlan] = {}
-        self._carries: dict[tuple[str, int, int], dict[int, Any] | None] = {}
+        self._plans: dict[tuple[int, str, int, int, bool], EpochPlan] = {}
+        self._carries: dict[tuple[str, int, int, range | None], dict[int, Any] | None] = {}
+        self.dealing = CARRY_ALGORITHM  # of a new run; a resume takes the log's
         self.newest: dict[str, list[Any]] = {}  # the newest segments of a head, by rank
 
     def initial_state(self) -> PipelineState:
@@ -134,10 +141,27 @@ class StreamPipeline:
             "rng": s.rng,
             **self.stream.config(),
             "workers": self.workers,
+            "carry": CARRY_ALGORITHM,
         }
 
     def check_logged(self, logged: dict[str, Any]) -> None:
+        """Check the source against the log's, and take the log's carry dealing (a run
+        keeps the one it began with; logs written before ``carry`` was recorded deal
+        round robin).
+
+        Raises:
+            ConfigMismatch: for a changed source, or a dealing this ledger does not know.
+        """
         self.stream.source.check(logged.get("source", []))
+        dealing = logged.get("carry", CARRY_ROUND_ROBIN)
+        if dealing not in CARRY_ALGORITHMS:
+            raise ConfigMismatch(
+                "carry", dealing, CARRY_ALGORITHM,
+                f"The log deals a change of shape by {dealing!r}, which this version of "
+                f"ledger does not know (it knows {', '.join(CARRY_ALGORITHMS)}): resume "
+                "it with the version that wrote it.",
+            )  # fmt: skip
+        self.dealing = dealing
 
     def batches_per_epoch(self) -> int:
         raise TypeError("a stream's batches per epoch are not known in advance")
@@ -145,23 +169,30 @@ class StreamPipeline:
     def plan(
         self, epoch: int, origin: str, world_size: int | None = None, workers: int | None = None
     ) -> EpochPlan:
-        """The plan of ``epoch`` for a shape (default: this loader's) that began at
-        ``origin`` (``""``: the run's start; else the commit it resumed from)."""
+        """The plan of ``epoch`` for a shape that began at ``origin`` (``""``: the run's
+        start; else the commit it resumed from): this loader's, whose carried pieces it
+        holds for this rank's workers only, or (``world_size`` and ``workers`` given) an
+        earlier shape's, with every worker's."""
+        own = world_size is None and workers is None
         world_size = world_size or self.world_size
         workers = workers or self.workers
-        key = (epoch, origin, world_size, workers)
+        key = (epoch, origin, world_size, workers, own)
         plan = self._plans.get(key)
         if plan is None:
-            carry = self._carry(origin, epoch, world_size * workers) if origin else None
+            wanted = range(self.rank * workers, (self.rank + 1) * workers) if own else None
+            carry = self._carry(origin, epoch, world_size * workers, wanted) if origin else None
             plan = self.torch_dataset.plan(epoch, carry, world_size, workers)
             if len(self._plans) > 16:
                 self._plans.clear()
             self._plans[key] = plan
         return plan
 
-    def _carry(self, origin: str, epoch: int, total: int) -> dict[int, Any] | None:
-        """What the shape before ``origin`` left of ``epoch``, dealt to ``total`` workers."""
-        key = (origin, epoch, total)
+    def _carry(
+        self, origin: str, epoch: int, total: int, wanted: range | None
+    ) -> dict[int, Any] | None:
+        """What the shape before ``origin`` left of ``epoch``, dealt to ``total`` workers
+        (:func:`~ledger.stream.plan.carry_over`), the shares of ``wanted`` (``None``: all)."""
+        key = (origin, epoch, total, wanted)
         if key not in self._carries:
             head = read_commit(self.store, origin)
             states = sorted(head.states, key=lambda s: s.rank)
@@ -172,18 +203,31 @@ class StreamPipeline:
             if epoch < min(s.epoch for s in states) or not carried:
                 self._carries[key] = None
             else:
-                holding = [s for s in states if s.epoch == epoch and holds_buffers(s)]
-                refs = newest_of(self, head) if holding else []
-                buffers = {}
-                # On an object store, the old ranks' segments are fetched a chunk at once.
-                for chunk, fetched in self.store.read_ahead_chunks(
-                    holding, lambda s: ref.path if (ref := refs[s.rank]) else None
-                ):
-                    for s in chunk:
-                        for w, ids in read_buffers(self, head, s, fetched).items():
-                            buffers[s.rank, w] = ids
-                self._carries[key] = carry_over(old, [(s.rank, s) for s in states], buffers, total)
+                self._carries[key] = carry_over(
+                    old,
+                    [(s.rank, s) for s in states],
+                    lambda ranks: self._old_buffers(head, [states[r] for r in ranks]),
+                    total,
+                    self.dealing,
+                    wanted,
+                )
         return self._carries[key]
+
+    def _old_buffers(
+        self, head: Commit, states: list[PipelineState]
+    ) -> dict[tuple[int, int], list[int]]:
+        """Buffers of old ranks at ``head``: ``(rank, worker) -> ids`` in slot order (on an
+        object store, the ranks' newest segments fetched a chunk at once)."""
+        holding = [s for s in states if holds_buffers(s)]
+        refs = newest_of(self, head) if holding else []
+        buffers = {}
+        for chunk, fetched in self.store.read_ahead_chunks(
+            holding, lambda s: ref.path if (ref := refs[s.rank]) else None
+        ):
+            for s in chunk:
+                for w, ids in read_buffers(self, head, s, fetched).items():
+                    buffers[s.rank, w] = ids
+        return buffers
 
     def epoch_start(self, epoch: int, batch: int, origin: str) -> PipelineState:
         """The state at the start of ``epoch`` (or, in epochs an earlier shape left

@@ -3,11 +3,13 @@ of shape carries over into the new one."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ledger.errors import LogCorrupted
 from ledger.order import EpochOrder, derive_key
 from ledger.stream.packing import Tail
 from ledger.stream.shuffle import Piece
@@ -34,7 +36,8 @@ class EpochPlan:
         world_size: ranks.
         workers: logical workers per rank (>= 1).
         carry: by global logical worker, ``(pieces, tails)`` left by an earlier shape, or
-            ``None`` for a fresh plan.
+            ``None`` for a fresh plan; it may hold some workers only (a loader's own plan
+            holds its rank's: asking for another worker's pieces is then a ``KeyError``).
     """
 
     source: ShardedSource
@@ -65,13 +68,13 @@ class EpochPlan:
     def pieces(self, rank: int, worker: int) -> list[Piece]:
         """Row ranges ``(shard, start, stop)`` a logical worker reads, in order."""
         if self.carry is not None:
-            return self.carry.get(rank * self.workers + worker, ([], []))[0]
+            return self.carry[rank * self.workers + worker][0]
         return [(f, 0, self.source.shard_rows(f)) for f in self.shards(rank, worker)]
 
     def tails(self, rank: int, worker: int) -> list[Tail]:
         """Partly packed samples ``(sample id, token offset, length)`` to finish first."""
         if self.carry is not None:
-            return self.carry.get(rank * self.workers + worker, ([], []))[1]
+            return self.carry[rank * self.workers + worker][1]
         return []
 
     def positions(self, sample_ids: np.ndarray) -> np.ndarray:
@@ -85,60 +88,175 @@ def buffer_key(seed: int, epoch: int, rank: int, worker: int) -> int:
     return derive_key(seed, epoch, rank, worker, 0xB0F)
 
 
+CARRY_ROUND_ROBIN = "round-robin-v1"
+"""The dealing of logs written before ``row-blocks-v1`` (their ``run.json`` names none)."""
+CARRY_ALGORITHM = "row-blocks-v1"
+"""How a change of shape deals what the old workers left (recorded in ``run.json`` as
+``carry``; a run keeps the dealing it began with, see :func:`carry_over`)."""
+CARRY_ALGORITHMS = (CARRY_ROUND_ROBIN, CARRY_ALGORITHM)
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """The rows an old logical worker held in its shuffle buffer at the commit: ``count``
+    of them (its state's ``rows_read - emitted``), in slot order, read from the rank's
+    newest segment only by the new workers they are dealt to."""
+
+    rank: int
+    worker: int
+    count: int
+
+
 def carry_over(
     plan: EpochPlan,
     states: list[tuple[int, Any]],
-    buffers: dict[tuple[int, int], list[int]],
+    read: Callable[[list[int]], dict[tuple[int, int], list[int]]],
     total: int,
+    dealing: str = CARRY_ALGORITHM,
+    wanted: range | None = None,
 ) -> dict[int, tuple[list[Piece], list[Tail]]]:
     """What an old shape left unserved of ``plan.epoch``, dealt to ``total`` new workers.
 
     For each old logical worker, in rank and worker order: the rows in its shuffle
     buffer (as one-row pieces), the rest of the piece it was reading, its later pieces;
     and the samples its packer had begun (tails). A rank already past the epoch left
-    nothing; a rank not yet in it left all its pieces. Pieces, then tails, are dealt
-    round robin to the new global workers ``0..total-1``. Every sample (and every token
-    of a packed sample) of the epoch is thus served exactly once across the two shapes.
+    nothing; a rank not yet in it left all its pieces. Every sample (and every token of
+    a packed sample) of the epoch is thus served exactly once across the two shapes.
+
+    Dealing (``run.json``'s ``carry``):
+
+    - ``row-blocks-v1``: the ``R`` rows left, in that order, are cut into ``total``
+      contiguous runs, new global worker ``g`` taking the ``g``-th (``R // total`` rows,
+      one more for the first ``R % total`` workers; pieces cut at the boundaries), and
+      the tails likewise by count. A new worker's run covers the buffers of about ``W_old /
+      W_new`` old ranks, so a new rank reads only those ranks' segments and holds only
+      those rows (the counts come from the states, and each buffer read is checked
+      against its count).
+    - ``round-robin-v1`` (logs written before it): pieces, then tails, dealt round robin
+      (piece ``i`` to worker ``i % total``); every new rank reads every old buffer.
 
     Args:
-        plan: the old shape's plan of the epoch.
+        plan: the old shape's plan of the epoch (every old worker's pieces).
         states: ``(rank, PipelineState)`` of every old rank at the commit.
-        buffers: old buffers by ``(rank, worker)``, in slot order.
+        read: given old ranks, their buffers by ``(rank, worker)``, in slot order.
         total: new ``world_size * workers``.
+        dealing: one of :data:`CARRY_ALGORITHMS`.
+        wanted: the new global workers whose share to compute (default: all).
 
     Returns:
-        By new global worker: ``(pieces, tails)``.
+        By new global worker in ``wanted``: ``(pieces, tails)``.
+
+    Raises:
+        LogCorrupted: if a buffer read holds another number of rows than its state says.
+        ValueError: for an unknown ``dealing``.
     """
-    source = plan.source
-    pieces: list[Piece] = []
+    if dealing not in CARRY_ALGORITHMS:
+        raise ValueError(f"unknown carry dealing {dealing!r}; known: {CARRY_ALGORITHMS}")
+    wanted = range(total) if wanted is None else wanted
+    items: list[Piece | Held] = []
     tails: list[Tail] = []
     for rank, st in states:
         for worker in range(plan.workers):
             mine = plan.pieces(rank, worker)
             if st.epoch < plan.epoch:
-                pieces += mine
+                items += mine
                 tails += plan.tails(rank, worker)
                 continue
             if st.epoch > plan.epoch:
                 continue
             ws = st.workers[worker]
-            ids = buffers.get((rank, worker), [])
-            if ids:
-                files, rows = source.locate(np.array(ids, np.int64))
-                pieces += [
-                    (f, r, r + 1) for f, r in zip(files.tolist(), rows.tolist(), strict=True)
-                ]
+            if ws.rows_read > ws.emitted:
+                items.append(Held(rank, worker, ws.rows_read - ws.emitted))
             if ws.shard < len(mine):
                 f, start, stop = mine[ws.shard]
                 if max(ws.row, start) < stop:
-                    pieces.append((f, max(ws.row, start), stop))
-                pieces += mine[ws.shard + 1 :]
+                    items.append((f, max(ws.row, start), stop))
+                items += mine[ws.shard + 1 :]
             if ws.doc >= 0:
                 tails.append((ws.doc, ws.doc_offset, ws.doc_length))
             tails += list(ws.tails)
-    out: dict[int, tuple[list[Piece], list[Tail]]] = {g: ([], []) for g in range(total)}
-    for i, piece in enumerate(pieces):
-        out[i % total][0].append(piece)
-    for i, tail in enumerate(tails):
-        out[i % total][1].append(tail)
+    if dealing == CARRY_ROUND_ROBIN:
+        every = _resolve(plan, items, read)
+        return {g: (every[g::total], tails[g::total]) for g in wanted}
+    sizes = np.array([i.count if isinstance(i, Held) else i[2] - i[1] for i in items], np.int64)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    rows = int(ends[-1]) if len(items) else 0
+    cuts = {g: (_cut(g, rows, total), _cut(g + 1, rows, total)) for g in wanted}
+    runs: dict[int, list[tuple[int, int, int]]] = {}  # g -> (item, first, stop) in the item
+    for g, (lo, hi) in cuts.items():
+        first = int(np.searchsorted(ends, lo, side="right"))
+        last = int(np.searchsorted(starts, hi, side="left"))
+        runs[g] = [
+            (k, max(lo - int(starts[k]), 0), min(hi, int(ends[k])) - int(starts[k]))
+            for k in range(first, last)
+            if sizes[k]
+        ]
+    dealt = {k for run in runs.values() for k, _, _ in run}
+    held = sorted({item.rank for k in dealt if isinstance(item := items[k], Held)})
+    buffers = _checked(items, read(held) if held else {}, held)
+    out: dict[int, tuple[list[Piece], list[Tail]]] = {}
+    ntails = len(tails)
+    for g, run in runs.items():
+        pieces: list[Piece] = []
+        for k, a, b in run:
+            item = items[k]
+            if isinstance(item, Held):
+                pieces += _one_row_pieces(plan.source, buffers[item.rank, item.worker][a:b])
+            else:
+                f, start, _ = item
+                pieces.append((f, start + a, start + b))
+        out[g] = (pieces, tails[_cut(g, ntails, total) : _cut(g + 1, ntails, total)])
     return out
+
+
+def _cut(g: int, n: int, total: int) -> int:
+    """Where new worker ``g``'s run of ``n`` things dealt to ``total`` workers starts: each
+    worker takes ``n // total``, and the first ``n % total`` one more (so a worker with
+    nothing comes after every worker with something, as round robin deals: a rank's
+    first logical worker is the first to serve)."""
+    base, extra = divmod(n, total)
+    return g * base + min(g, extra)
+
+
+def _resolve(
+    plan: EpochPlan,
+    items: list[Piece | Held],
+    read: Callable[[list[int]], dict[tuple[int, int], list[int]]],
+) -> list[Piece]:
+    """``items`` with every buffer read and given as one-row pieces."""
+    ranks = sorted({i.rank for i in items if isinstance(i, Held)})
+    buffers = _checked(items, read(ranks) if ranks else {}, ranks)
+    pieces: list[Piece] = []
+    for item in items:
+        if isinstance(item, Held):
+            pieces += _one_row_pieces(plan.source, buffers[item.rank, item.worker])
+        else:
+            pieces.append(item)
+    return pieces
+
+
+def _one_row_pieces(source: ShardedSource, ids: list[int]) -> list[Piece]:
+    """Buffered sample ids as one-row pieces ``(shard, row, row + 1)``."""
+    files, rows = source.locate(np.array(ids, np.int64))
+    return [(f, r, r + 1) for f, r in zip(files.tolist(), rows.tolist(), strict=True)]
+
+
+def _checked(
+    items: list[Piece | Held], buffers: dict[tuple[int, int], list[int]], ranks: list[int]
+) -> dict[tuple[int, int], list[int]]:
+    """``buffers``, once every buffer of ``ranks`` among ``items`` holds its count.
+
+    Raises:
+        LogCorrupted: naming the old rank and worker whose buffer disagrees."""
+    wanted = set(ranks)
+    for item in items:
+        if isinstance(item, Held) and item.rank in wanted:
+            found = len(buffers.get((item.rank, item.worker), []))
+            if found != item.count:
+                raise LogCorrupted(
+                    f"rank {item.rank}'s worker {item.worker} read {item.count} rows more "
+                    f"than it handed on, so its buffer holds {item.count}, but the log's "
+                    f"snapshot holds {found}"
+                )
+    return buffers

@@ -1,0 +1,164 @@
+"""A change of shape deals what the old workers left (``ledger.stream.plan.carry_over``):
+contiguous runs of rows (``row-blocks-v1``), each new rank reading only the old buffers
+dealt to it; logs begun before it keep dealing round robin."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ledger
+from ledger.commits import PipelineState, WorkerState
+from ledger.errors import ConfigMismatch, LogCorrupted
+from ledger.stream import ShardedSource
+from ledger.stream.plan import (
+    CARRY_ALGORITHM,
+    CARRY_ROUND_ROBIN,
+    EpochPlan,
+    carry_over,
+)
+from ledger.testing import take
+
+
+class Rows:
+    """A source's shape only (``EpochPlan`` and ``carry_over`` read no row)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.infos = [None] * len(sizes)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+    def shard_rows(self, shard: int) -> int:
+        return int(self.offsets[shard + 1] - self.offsets[shard])
+
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return ShardedSource.locate(self, ids)  # type: ignore[arg-type]
+
+
+def rows_of(pieces) -> list[tuple[int, int]]:
+    return [(f, r) for f, a, b in pieces for r in range(a, b)]
+
+
+@st.composite
+def shapes(draw):
+    """An old shape at a commit inside epoch 1: shards, old ranks and workers, each old
+    worker's cursor and buffer (ids read before its cursor), the new worker count."""
+    sizes = draw(st.lists(st.integers(0, 9), min_size=1, max_size=24))
+    world = draw(st.integers(1, 6))
+    workers = draw(st.integers(1, 3))
+    plan = EpochPlan(Rows(sizes), 7, 1, True, world, workers)  # type: ignore[arg-type]
+    states, buffers = [], {}
+    for rank in range(world):
+        epoch = draw(st.sampled_from([0, 1, 1, 1, 2]))
+        ws = []
+        for w in range(workers):
+            mine = plan.pieces(rank, w)
+            shard = draw(st.integers(0, len(mine)))
+            row = mine[shard][1] + draw(st.integers(0, 9)) if shard < len(mine) else 0
+            done = mine[:shard] + (
+                [(mine[shard][0], mine[shard][1], min(row, mine[shard][2]))]
+                if shard < len(mine)
+                else []
+            )
+            read = [int(plan.source.offsets[f]) + r for f, a, b in done for r in range(a, b)]
+            held = read[-draw(st.integers(0, len(read))) :] if read else []
+            held = held if epoch == 1 else []
+            buffers[rank, w] = held
+            tail = ((1000 + rank * 10 + w, 3, 9),) if draw(st.booleans()) else ()
+            ws.append(WorkerState(w, shard, row, 100 + len(held), 0, 100, tails=tail))
+        states.append((rank, PipelineState(rank, epoch, 0, 5, tuple(ws))))
+    return plan, states, buffers, draw(st.integers(1, 13))
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes())
+def test_row_blocks_deal_the_same_rows_in_equal_runs_reading_only_what_they_deal(shape):
+    plan, states, buffers, total = shape
+    asked: list[list[int]] = []
+
+    def read(ranks):
+        asked.append(list(ranks))
+        return {k: v for k, v in buffers.items() if k[0] in ranks}
+
+    robin = carry_over(plan, states, read, total, CARRY_ROUND_ROBIN)
+    blocks = carry_over(plan, states, read, total, CARRY_ALGORITHM)
+    # The same rows and tails, each once, across the new workers.
+    every = sorted(r for g in range(total) for r in rows_of(robin[g][0]))
+    assert sorted(r for g in range(total) for r in rows_of(blocks[g][0])) == every
+    assert len(set(every)) == len(every)
+    assert sorted(t for g in range(total) for t in blocks[g][1]) == sorted(
+        t for g in range(total) for t in robin[g][1]
+    )
+    # Equal runs, the longer ones first; the tails likewise.
+    counts = [len(rows_of(blocks[g][0])) for g in range(total)]
+    assert max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)
+    tails = [len(blocks[g][1]) for g in range(total)]
+    assert max(tails) - min(tails) <= 1 and tails == sorted(tails, reverse=True)
+    # One new worker's share alone is the same, and reads only the buffers it holds.
+    owner = {i: rank for (rank, _), ids in buffers.items() for i in ids}
+    for g in range(total):
+        asked.clear()
+        alone = carry_over(plan, states, read, total, CARRY_ALGORITHM, range(g, g + 1))
+        assert alone == {g: blocks[g]}
+        ids = {int(plan.source.offsets[f]) + r for f, r in rows_of(blocks[g][0])}
+        mine = sorted({owner[i] for i in ids & owner.keys()})
+        assert asked == ([mine] if mine else [])
+
+
+def test_a_buffer_that_disagrees_with_its_count_is_refused():
+    plan = EpochPlan(Rows([4, 4]), 7, 0, False, 1, 1)  # type: ignore[arg-type]
+    state = PipelineState(0, 0, 0, 1, (WorkerState(0, 0, 3, 3, 0, 1),))
+    for dealing in (CARRY_ALGORITHM, CARRY_ROUND_ROBIN):
+        with pytest.raises(LogCorrupted, match="buffer holds 2, but the log's snapshot holds 1"):
+            carry_over(plan, [(0, state)], lambda ranks: {(0, 0): [1]}, 2, dealing)
+        got = carry_over(plan, [(0, state)], lambda ranks: {(0, 0): [1, 2]}, 2, dealing)
+        assert sorted(rows_of(got[0][0] + got[1][0])) == [(0, 1), (0, 2), (0, 3)] + [
+            (1, r) for r in range(4)
+        ]
+
+
+def _loader(shards: str, root: str, workers: int) -> ledger.DataLoader:
+    from conftest import packed_stream
+
+    return ledger.DataLoader(
+        packed_stream(shards, shuffle_buffer=3), batch_size=2, seed=5, log=root,
+        num_workers=workers,
+    )  # fmt: skip
+
+
+def test_a_new_run_records_its_dealing_and_an_unknown_one_is_refused(tmp_path):
+    from conftest import text_shards
+
+    shards = text_shards(tmp_path / "shards", 4, 3, "x", 2)
+    root = str(tmp_path / "log")
+    loader = _loader(shards, root, 0)
+    list(take(loader, 2))
+    token = loader.state_dict()
+    loader.close()
+    with open(os.path.join(root, "run.json")) as f:
+        run = json.load(f)
+    assert run["config"]["carry"] == CARRY_ALGORITHM
+    run["config"]["carry"] = "spiral-v9"
+    with open(os.path.join(root, "run.json"), "w") as f:
+        json.dump(run, f)
+    resumed = _loader(shards, root, 2)
+    with pytest.raises(ConfigMismatch, match="'spiral-v9', which this version of ledger"):
+        resumed.load_state_dict(token)
+
+
+def test_a_log_without_a_dealing_deals_round_robin(monkeypatch):
+    """``run.json`` of a log begun before ``carry`` was recorded: its dealing is
+    ``round-robin-v1`` whatever a new run's would be (the served order after a change of
+    shape is the log's; ``test_compat`` resumes such a log written by that ledger)."""
+    pipeline = SimpleNamespace(stream=SimpleNamespace(source=SimpleNamespace(check=lambda s: None)))
+    from ledger.stream.pipeline import StreamPipeline
+
+    StreamPipeline.check_logged(pipeline, {"source": []})  # type: ignore[arg-type]
+    assert pipeline.dealing == CARRY_ROUND_ROBIN
+    StreamPipeline.check_logged(pipeline, {"source": [], "carry": CARRY_ALGORITHM})  # type: ignore[arg-type]
+    assert pipeline.dealing == CARRY_ALGORITHM
