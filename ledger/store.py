@@ -300,7 +300,7 @@ class Store:
         """``items`` in chunks of up to :data:`READ_AHEAD`, each with the files
         ``path(item)`` of its items (``None``: the item has none) fetched at once
         (:meth:`read_ahead`: ``None`` on a local root); for a reader that needs one file of
-        each of many ranks (a change of shape of a stream reads every old rank's buffers).
+        each of many ranks (a change of shape of a stream reads the old buffers dealt to it).
 
         Raises:
             StorageError: if reading one fails otherwise than by its absence.

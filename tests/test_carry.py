@@ -162,3 +162,75 @@ def test_a_log_without_a_dealing_deals_round_robin(monkeypatch):
     assert pipeline.dealing == CARRY_ROUND_ROBIN
     StreamPipeline.check_logged(pipeline, {"source": [], "carry": CARRY_ALGORITHM})  # type: ignore[arg-type]
     assert pipeline.dealing == CARRY_ALGORITHM
+
+
+def _cut_resolved(pieces, total, gw):
+    """A mixture lane's run as ledger dealt it before runs read their buffers on demand
+    (every buffer resolved to one-row pieces first): the reference for ``equal_runs``."""
+    rows = np.array([stop - start for _, start, stop in pieces], np.int64)
+    ends = np.cumsum(rows)
+    n = int(ends[-1]) if ends.size else 0
+    lo, hi = gw * n // total, (gw + 1) * n // total
+    out = []
+    i = int(np.searchsorted(ends, lo, side="right"))
+    while lo < hi and i < len(pieces):
+        shard, start, _ = pieces[i]
+        first = int(ends[i] - rows[i])
+        stop = min(hi, int(ends[i]))
+        if stop > lo:
+            out.append((shard, start + lo - first, start + stop - first))
+        lo = max(lo, stop)
+        i += 1
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.integers(0, 2), st.integers(0, 5), st.integers(0, 5)).map(
+                lambda p: ("piece", p[0], p[1], p[1] + p[2])
+            ),
+            st.tuples(st.integers(0, 4), st.integers(0, 2), st.integers(1, 4)).map(
+                lambda h: ("held", *h)
+            ),
+        ),
+        max_size=12,
+    ),
+    st.integers(1, 7),
+)
+def test_a_mixture_lane_run_is_the_same_pieces_reading_only_its_buffers(spec, total):
+    """``lanes.equal_runs`` over pieces and held buffers gives each new lane exactly the
+    pieces the dealing gave when every buffer was read first, and reads only the old
+    ranks whose buffered rows its run takes."""
+    from ledger.stream.lanes import equal_runs
+    from ledger.stream.plan import Held
+
+    source = Rows([50] * 4)
+    items, resolved, buffers, owner, k = [], [], {}, {}, 0
+    for kind, a, b, c in spec:
+        if kind == "piece":
+            items.append((a, b, c))
+            resolved.append((a, b, c))
+            continue
+        key = (a, b, 0)
+        if key in buffers:
+            continue
+        ids = [150 + k + i for i in range(c)]  # rows of shard 3 no piece reaches
+        k += c
+        buffers[key] = ids
+        owner.update(dict.fromkeys(ids, a))
+        items.append(Held(key, c))
+        resolved += [(3, i - 150, i - 149) for i in ids]
+    asked = []
+
+    def read(ranks):
+        asked.append(list(ranks))
+        return {key: ids for key, ids in buffers.items() if key[0] in ranks}
+
+    for g in range(total):
+        asked.clear()
+        got = equal_runs(source, items, total, read).pieces(g)
+        assert got == _cut_resolved(resolved, total, g)
+        mine = sorted({owner[150 + r] for f, a, b in got if f == 3 for r in range(a, b)})
+        assert asked == ([mine] if mine else [])

@@ -21,7 +21,7 @@ from ledger.commits import WorkerState
 from ledger.errors import LedgerError
 from ledger.fetch import failure_of
 from ledger.order import derive_key
-from ledger.stream.plan import EpochPlan, buffer_key
+from ledger.stream.plan import Buffers, EpochPlan, Held, RowDeal, buffer_key
 from ledger.stream.sample import load_sample
 from ledger.stream.shuffle import IdFeed, Piece
 from ledger.stream.source import ShardedSource
@@ -136,21 +136,23 @@ def lane_feed(
 def cut(pieces: list[Piece], total: int, gw: int) -> list[Piece]:
     """Run ``gw`` of ``total`` runs of equal rows (within one) of the rows of ``pieces``
     in order."""
-    rows = np.array([stop - start for _, start, stop in pieces], np.int64)
-    ends = np.cumsum(rows)
-    n = int(ends[-1]) if ends.size else 0
-    lo, hi = gw * n // total, (gw + 1) * n // total
-    out: list[Piece] = []
-    i = int(np.searchsorted(ends, lo, side="right"))
-    while lo < hi and i < len(pieces):
-        shard, start, _ = pieces[i]
-        first = int(ends[i] - rows[i])
-        stop = min(hi, int(ends[i]))
-        if stop > lo:
-            out.append((shard, start + lo - first, start + stop - first))
-        lo = max(lo, stop)
-        i += 1
-    return out
+    return equal_runs(None, list(pieces), total, _no_buffers).pieces(gw)
+
+
+def equal_runs(
+    source: Any, items: list[Piece | Held], total: int, read: Callable[[list[int]], Buffers]
+) -> RowDeal:
+    """The rows of ``items`` in ``total`` runs of equal rows (within one): run ``gw`` is
+    rows ``gw * R // total`` to ``(gw + 1) * R // total`` of the ``R`` (buffers read on
+    demand, see :class:`~ledger.stream.plan.RowDeal`)."""
+    deal = RowDeal(
+        source, items, lambda g: (g * deal.rows // total, (g + 1) * deal.rows // total), read
+    )
+    return deal
+
+
+def _no_buffers(ranks: list[int]) -> Buffers:
+    raise AssertionError("pieces only: no buffer to read")
 
 
 class Lanes:

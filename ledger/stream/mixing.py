@@ -64,9 +64,11 @@ function of the seed and of counters in the worker's state, so nothing random is
    included, and it is logged as an ``error`` event at its position.
 
 Costs: a resume reads the head marker and one segment per rank (the lanes' ``buffer``
-events); a change of shape reads each old rank's newest segment that holds buffered
-rows, and again for each earlier change of shape whose carried source epoch a lane is
-still in (as a stream does for a carried epoch). Per batch, the main process computes
+events); a change of shape reads the newest segment of each old rank whose buffered
+rows the new rank's lanes are dealt (a lane's run is contiguous: about ``W_old / W_new``
+old ranks, not all of them; :class:`~ledger.stream.plan.RowDeal`), and again for each
+earlier change of shape whose carried source epoch a lane is still in (as a stream does
+for a carried epoch). Per batch, the main process computes
 the batch's positions, their sources and each lane's next ids with array operations.
 
 Events: ``sample_id`` is the sample's row in its source, ``source`` its source,
@@ -103,9 +105,10 @@ from ledger.journal import JournalOrder
 from ledger.pipeline import LoaderSettings, in_process, phase_record, refuse_phase
 from ledger.schema import BUFFER, ERROR, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
 from ledger.store import Fetched, Store
-from ledger.stream.lanes import EMPTY, Lanes, Positions, cut, source_pieces, source_seed
+from ledger.stream.lanes import EMPTY, Lanes, Positions, equal_runs, source_pieces, source_seed
 from ledger.stream.mixer import MixedDataset, MixedReplica, WorkerPlan
 from ledger.stream.packing import Tail
+from ledger.stream.plan import Buffers, Held, RowDeal
 from ledger.stream.replica import next_worker
 from ledger.stream.shuffle import Piece
 from ledger.stream.spec import Stream
@@ -139,12 +142,14 @@ class Reshape:
 
     Attributes:
         epochs: by mixture epoch: what was left of it.
-        lanes: by source: ``(source epoch, pieces and tails by new global worker)``: the
-            new lanes serve the carried pieces as that source epoch, then fresh ones.
+        lanes: by source: ``(source epoch, the pieces left, in runs by new global
+            worker)``: the new lanes serve the carried pieces as that source epoch, then
+            fresh ones. A run's lane buffers are read when it is first asked for, so a
+            new rank reads only the old ranks' segments whose buffered rows it is dealt.
     """
 
     epochs: dict[int, EpochLeft]
-    lanes: list[tuple[int, dict[int, tuple[list[Piece], list[Tail]]]]]
+    lanes: list[tuple[int, RowDeal]]
 
 
 class MixedStreamPipeline:
@@ -266,7 +271,7 @@ class MixedStreamPipeline:
         if origin:
             carried, by_worker = self._reshape(origin, world, workers).lanes[s]
             if epoch == carried:
-                return by_worker.get(rank * workers + g, ([], []))[0]
+                return by_worker.pieces(rank * workers + g)
         stream = self.mixture.sources[s]
         seed = source_seed(self.seed, self.mixture.names[s])
         return source_pieces(
@@ -323,7 +328,17 @@ class MixedStreamPipeline:
         old_world = head.world_size
         old_k = len(states[0].workers) // self.width
         old_origin = states[0].origin
-        buffers = self._old_buffers(head, states)
+        read_ranks: dict[int, Buffers] = {}
+
+        def read(ranks: list[int]) -> Buffers:
+            """The lanes' buffers of old ``ranks`` (each rank's segment read once)."""
+            missing = [r for r in ranks if r not in read_ranks]
+            if missing:
+                got = self._old_buffers(head, [states[r] for r in missing])
+                for r in missing:
+                    read_ranks[r] = {k: v for k, v in got.items() if k[0] == r}
+            return {k: v for r in ranks for k, v in read_ranks[r].items()}
+
         epochs: dict[int, EpochLeft] = {}
         for e in range(min(st.epoch for st in states), max(st.epoch for st in states) + 1):
             gaps: list[np.ndarray] = []
@@ -387,34 +402,25 @@ class MixedStreamPipeline:
                 for g in range(old_k)
             ]
             last = max(lane.worker for _, _, lane in old)
-            pieces: list[Piece] = []
+            pieces: list[Piece | Held] = []
             for rank, g, lane in old:
                 for e in range(lane.worker, last + 1):
                     mine = self._lane_pieces(s, e, old_origin, old_world, old_k, rank, g)
                     if e > lane.worker:
                         pieces += mine
                         continue
-                    ids = buffers.get((rank, g, s), [])
-                    if ids:
-                        files, rows = stream.source.locate(np.array(ids, np.int64))
-                        pieces += [
-                            (f, r, r + 1)
-                            for f, r in zip(files.tolist(), rows.tolist(), strict=True)
-                        ]
+                    if stream.shuffle_buffer and lane.rows_read > lane.emitted:
+                        pieces.append(Held((rank, g, s), lane.rows_read - lane.emitted))
                     if lane.shard < len(mine):
                         f, lo, hi = mine[lane.shard]
                         if max(lane.row, lo) < hi:
                             pieces.append((f, max(lane.row, lo), hi))
                         pieces += mine[lane.shard + 1 :]
-            dealt: dict[int, tuple[list[Piece], list[Tail]]] = {
-                w: (cut(pieces, total, w), []) for w in range(total)
-            }
-            lanes.append((last, dealt))
+            rows = stream.source if isinstance(stream, Stream) else None  # no buffer if None
+            lanes.append((last, equal_runs(rows, pieces, total, read)))
         return Reshape(epochs, lanes)
 
-    def _old_buffers(
-        self, head: Commit, states: list[PipelineState]
-    ) -> dict[tuple[int, int, int], list[int]]:
+    def _old_buffers(self, head: Commit, states: list[PipelineState]) -> Buffers:
         """Lane buffers at ``head``: ``(rank, worker, source) -> ids`` in slot order (on an
         object store, the old ranks' segments fetched a chunk at once)."""
         holding = [
@@ -425,7 +431,7 @@ class MixedStreamPipeline:
         if not holding:
             return {}
         refs = newest_segments(self.store, head, len(head.states))
-        out: dict[tuple[int, int, int], list[int]] = {}
+        out: Buffers = {}
         for chunk, fetched in self.store.read_ahead_chunks(
             holding, lambda st: ref.path if (ref := refs[st.rank]) else None
         ):
@@ -845,6 +851,9 @@ class MixedStreamPipeline:
             self.buffers = {}
             epoch = min(st.epoch for st in states)
             reshape = self._reshape(head.id, self.world_size, self.k)
+            mine = range(self.rank * self.k, (self.rank + 1) * self.k)
+            for _, deal in reshape.lanes:  # this rank's runs' buffers, a read per source
+                deal.fetch(mine)
             lanes = [[WorkerState(carried) for carried, _ in reshape.lanes] for _ in range(self.k)]
             return self.epoch_start(epoch, states[0].batch, head.id, lanes), []
         state = head.state(self.rank)

@@ -32,6 +32,7 @@ from ledger.stream.plan import (
     CARRY_ALGORITHM,
     CARRY_ALGORITHMS,
     CARRY_ROUND_ROBIN,
+    Buffers,
     EpochPlan,
     carry_over,
 )
@@ -210,17 +211,16 @@ class StreamPipeline:
                     total,
                     self.dealing,
                     wanted,
+                    self.stream.shuffle_buffer > 0,
                 )
         return self._carries[key]
 
-    def _old_buffers(
-        self, head: Commit, states: list[PipelineState]
-    ) -> dict[tuple[int, int], list[int]]:
+    def _old_buffers(self, head: Commit, states: list[PipelineState]) -> Buffers:
         """Buffers of old ranks at ``head``: ``(rank, worker) -> ids`` in slot order (on an
         object store, the ranks' newest segments fetched a chunk at once)."""
         holding = [s for s in states if holds_buffers(s)]
         refs = newest_of(self, head) if holding else []
-        buffers = {}
+        buffers: Buffers = {}
         for chunk, fetched in self.store.read_ahead_chunks(
             holding, lambda s: ref.path if (ref := refs[s.rank]) else None
         ):

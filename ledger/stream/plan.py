@@ -3,7 +3,7 @@ of shape carries over into the new one."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,24 +96,122 @@ CARRY_ALGORITHM = "row-blocks-v1"
 CARRY_ALGORITHMS = (CARRY_ROUND_ROBIN, CARRY_ALGORITHM)
 
 
+Buffers = dict[tuple[int, ...], list[int]]
+"""Old shuffle buffers by key (``(rank, worker)``, or ``(rank, worker, source)`` for a
+mixture's lanes): sample ids in slot order."""
+
+
 @dataclass(frozen=True, slots=True)
 class Held:
-    """The rows an old logical worker held in its shuffle buffer at the commit: ``count``
-    of them (its state's ``rows_read - emitted``), in slot order, read from the rank's
-    newest segment only by the new workers they are dealt to."""
+    """The rows an old logical worker (or lane) held in its shuffle buffer at the commit:
+    ``count`` of them (its state's ``rows_read - emitted``), in slot order, read from the
+    rank's newest segment (``key[0]``) only by the new workers they are dealt to."""
 
-    rank: int
-    worker: int
+    key: tuple[int, ...]
     count: int
+
+
+class RowDeal:
+    """The rows of ``items`` (pieces, and buffers old workers held) laid end to end and
+    cut into one run per new worker; a run's buffers are read the first time it, or a
+    run of the same old rank, is asked for.
+
+    Args:
+        source: the rows' source (to locate buffered ids).
+        items: pieces ``(shard, start, stop)`` and :class:`Held` buffers, in order.
+        bounds: new worker -> its run ``[lo, hi)`` of the :attr:`rows`.
+        read: given old ranks, their buffers (every key of those ranks).
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        items: list[Piece | Held],
+        bounds: Callable[[int], tuple[int, int]],
+        read: Callable[[list[int]], Buffers],
+    ) -> None:
+        self.source = source
+        self.items = items
+        self.bounds = bounds
+        self.read = read
+        self.sizes = np.array(
+            [i.count if isinstance(i, Held) else i[2] - i[1] for i in items], np.int64
+        )
+        self.ends = np.cumsum(self.sizes)
+        self.rows = int(self.ends[-1]) if len(items) else 0
+        self._buffers: Buffers = {}
+        self._ranks_read: set[int] = set()
+        self._runs: dict[int, list[Piece]] = {}
+
+    def _overlap(self, g: int) -> list[tuple[int, int, int]]:
+        """``(item, first, stop)``: the items run ``g`` takes, and which of their rows."""
+        lo, hi = self.bounds(g)
+        ends, sizes = self.ends, self.sizes
+        out = []
+        k = int(np.searchsorted(ends, lo, side="right"))
+        while k < len(self.items) and lo < hi:
+            first = int(ends[k] - sizes[k])
+            if first >= hi:
+                break
+            if sizes[k]:
+                out.append((k, lo - first, min(hi, int(ends[k])) - first))
+            lo = int(ends[k])
+            k += 1
+        return out
+
+    def fetch(self, gs: Iterable[int]) -> None:
+        """Read (in one call of ``read``) the buffers runs ``gs`` take, not yet read.
+
+        Raises:
+            LogCorrupted: if a buffer read holds another number of rows than its count.
+        """
+        held = [
+            item
+            for g in gs
+            for k, _, _ in self._overlap(g)
+            if isinstance(item := self.items[k], Held) and item.key[0] not in self._ranks_read
+        ]
+        ranks = sorted({item.key[0] for item in held})
+        if not ranks:
+            return
+        got = self.read(ranks)
+        for item in self.items:
+            if isinstance(item, Held) and item.key[0] in ranks:
+                found = len(got.get(item.key, []))
+                if found != item.count:
+                    where = f"rank {item.key[0]}'s worker {item.key[1]}"
+                    if len(item.key) > 2:
+                        where += f" (lane of source {item.key[2]})"
+                    raise LogCorrupted(
+                        f"{where} read {item.count} rows more than it handed on, so its buffer "
+                        f"holds {item.count}, but the log's snapshot holds {found}"
+                    )
+        self._buffers.update(got)
+        self._ranks_read.update(ranks)
+
+    def pieces(self, g: int) -> list[Piece]:
+        """Run ``g``: pieces, buffered rows as one-row pieces (read if not yet)."""
+        if g not in self._runs:
+            self.fetch([g])
+            out: list[Piece] = []
+            for k, a, b in self._overlap(g):
+                item = self.items[k]
+                if isinstance(item, Held):
+                    out += _one_row_pieces(self.source, self._buffers[item.key][a:b])
+                else:
+                    out.append((item[0], item[1] + a, item[1] + b))
+            self._runs[g] = out
+        return self._runs[g]
 
 
 def carry_over(
     plan: EpochPlan,
     states: list[tuple[int, Any]],
-    read: Callable[[list[int]], dict[tuple[int, int], list[int]]],
+    read: Callable[[list[int]], Buffers],
     total: int,
     dealing: str = CARRY_ALGORITHM,
     wanted: range | None = None,
+    buffered: bool = True,
 ) -> dict[int, tuple[list[Piece], list[Tail]]]:
     """What an old shape left unserved of ``plan.epoch``, dealt to ``total`` new workers.
 
@@ -142,6 +240,7 @@ def carry_over(
         total: new ``world_size * workers``.
         dealing: one of :data:`CARRY_ALGORITHMS`.
         wanted: the new global workers whose share to compute (default: all).
+        buffered: whether the stream has a shuffle buffer (else no worker holds rows).
 
     Returns:
         By new global worker in ``wanted``: ``(pieces, tails)``.
@@ -165,8 +264,8 @@ def carry_over(
             if st.epoch > plan.epoch:
                 continue
             ws = st.workers[worker]
-            if ws.rows_read > ws.emitted:
-                items.append(Held(rank, worker, ws.rows_read - ws.emitted))
+            if buffered and ws.rows_read > ws.emitted:
+                items.append(Held((rank, worker), ws.rows_read - ws.emitted))
             if ws.shard < len(mine):
                 f, start, stop = mine[ws.shard]
                 if max(ws.row, start) < stop:
@@ -175,39 +274,22 @@ def carry_over(
             if ws.doc >= 0:
                 tails.append((ws.doc, ws.doc_offset, ws.doc_length))
             tails += list(ws.tails)
-    if dealing == CARRY_ROUND_ROBIN:
-        every = _resolve(plan, items, read)
-        return {g: (every[g::total], tails[g::total]) for g in wanted}
-    sizes = np.array([i.count if isinstance(i, Held) else i[2] - i[1] for i in items], np.int64)
-    ends = np.cumsum(sizes)
-    starts = ends - sizes
-    rows = int(ends[-1]) if len(items) else 0
-    cuts = {g: (_cut(g, rows, total), _cut(g + 1, rows, total)) for g in wanted}
-    runs: dict[int, list[tuple[int, int, int]]] = {}  # g -> (item, first, stop) in the item
-    for g, (lo, hi) in cuts.items():
-        first = int(np.searchsorted(ends, lo, side="right"))
-        last = int(np.searchsorted(starts, hi, side="left"))
-        runs[g] = [
-            (k, max(lo - int(starts[k]), 0), min(hi, int(ends[k])) - int(starts[k]))
-            for k in range(first, last)
-            if sizes[k]
-        ]
-    dealt = {k for run in runs.values() for k, _, _ in run}
-    held = sorted({item.rank for k in dealt if isinstance(item := items[k], Held)})
-    buffers = _checked(items, read(held) if held else {}, held)
-    out: dict[int, tuple[list[Piece], list[Tail]]] = {}
+    if dealing == CARRY_ROUND_ROBIN:  # one run of everything, dealt piece by piece
+        every = RowDeal(plan.source, items, lambda g: (0, every.rows), read)
+        whole = every.pieces(0)
+        return {g: (whole[g::total], tails[g::total]) for g in wanted}
+    deal = RowDeal(
+        plan.source,
+        items,
+        lambda g: (_cut(g, deal.rows, total), _cut(g + 1, deal.rows, total)),
+        read,
+    )
+    deal.fetch(wanted)  # every run's buffers in one read
     ntails = len(tails)
-    for g, run in runs.items():
-        pieces: list[Piece] = []
-        for k, a, b in run:
-            item = items[k]
-            if isinstance(item, Held):
-                pieces += _one_row_pieces(plan.source, buffers[item.rank, item.worker][a:b])
-            else:
-                f, start, _ = item
-                pieces.append((f, start + a, start + b))
-        out[g] = (pieces, tails[_cut(g, ntails, total) : _cut(g + 1, ntails, total)])
-    return out
+    return {
+        g: (deal.pieces(g), tails[_cut(g, ntails, total) : _cut(g + 1, ntails, total)])
+        for g in wanted
+    }
 
 
 def _cut(g: int, n: int, total: int) -> int:
@@ -219,44 +301,7 @@ def _cut(g: int, n: int, total: int) -> int:
     return g * base + min(g, extra)
 
 
-def _resolve(
-    plan: EpochPlan,
-    items: list[Piece | Held],
-    read: Callable[[list[int]], dict[tuple[int, int], list[int]]],
-) -> list[Piece]:
-    """``items`` with every buffer read and given as one-row pieces."""
-    ranks = sorted({i.rank for i in items if isinstance(i, Held)})
-    buffers = _checked(items, read(ranks) if ranks else {}, ranks)
-    pieces: list[Piece] = []
-    for item in items:
-        if isinstance(item, Held):
-            pieces += _one_row_pieces(plan.source, buffers[item.rank, item.worker])
-        else:
-            pieces.append(item)
-    return pieces
-
-
-def _one_row_pieces(source: ShardedSource, ids: list[int]) -> list[Piece]:
+def _one_row_pieces(source: Any, ids: list[int]) -> list[Piece]:
     """Buffered sample ids as one-row pieces ``(shard, row, row + 1)``."""
     files, rows = source.locate(np.array(ids, np.int64))
     return [(f, r, r + 1) for f, r in zip(files.tolist(), rows.tolist(), strict=True)]
-
-
-def _checked(
-    items: list[Piece | Held], buffers: dict[tuple[int, int], list[int]], ranks: list[int]
-) -> dict[tuple[int, int], list[int]]:
-    """``buffers``, once every buffer of ``ranks`` among ``items`` holds its count.
-
-    Raises:
-        LogCorrupted: naming the old rank and worker whose buffer disagrees."""
-    wanted = set(ranks)
-    for item in items:
-        if isinstance(item, Held) and item.rank in wanted:
-            found = len(buffers.get((item.rank, item.worker), []))
-            if found != item.count:
-                raise LogCorrupted(
-                    f"rank {item.rank}'s worker {item.worker} read {item.count} rows more "
-                    f"than it handed on, so its buffer holds {item.count}, but the log's "
-                    f"snapshot holds {found}"
-                )
-    return buffers
