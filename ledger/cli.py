@@ -7,12 +7,14 @@ A user error (a :class:`ledger.errors.LedgerError`, an error in the user's SQL) 
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import csv
 import dataclasses
 import datetime
 import decimal
+import gc
 import importlib
 import importlib.util
 import inspect
@@ -757,6 +759,7 @@ def verify_command(
     """
     from ledger.audit.checks import verify, verify_data
 
+    _exit_without_collecting()
     if data and dataset is None:
         raise click.UsageError("--data needs --dataset")
     span = _batch_range(batches)
@@ -777,6 +780,26 @@ def verify_command(
         click.echo(f"{v.segments} segments, {v.events} events, {v.bytes} bytes")
     if not all(r.ok for r in results):
         sys.exit(CHECK_FAILED)
+
+
+def _exit_without_collecting() -> None:
+    """Have the interpreter's exit skip its garbage collections (for a command that leaves
+    no file open: it only reads).
+
+    Python's finalization collects garbage several times while it tears modules down, and
+    each collection walks every object still alive: with pyarrow and pandas imported, the
+    exit of ``ledger verify`` took 0.29-0.34 s here, 0.08-0.14 s with this.
+    :func:`gc.freeze` at exit takes those objects out of the collector's view; reference
+    counting still frees them. Registered at exit, not called now, so that a caller that
+    runs commands in its own process (``CliRunner``) keeps collecting until it ends.
+    """
+    global _EXIT_REGISTERED
+    if not _EXIT_REGISTERED:
+        atexit.register(gc.freeze)
+        _EXIT_REGISTERED = True
+
+
+_EXIT_REGISTERED = False
 
 
 def _batch_range(text: str | None) -> range | None:

@@ -24,6 +24,7 @@ from ledger.commits import (
     default_head,
     lineage,
     list_commits,
+    no_cycles,
     parsing_once,
     read_attempt,
     read_commit,
@@ -423,7 +424,13 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
     Raises:
         CommitNotFound: if ``root`` holds no run.
     """
-    store = Store(root)
+    # The markers' objects are acyclic and freed by reference counting when this returns;
+    # collecting while they are built walked them all again (~0.12 s at 10^4 commits).
+    with no_cycles():
+        return _verify(Store(root), progress)
+
+
+def _verify(store: Store, progress: Progress | None) -> Verification:
     results: list[CheckResult] = []
     try:
         config = read_run(store)["config"]
