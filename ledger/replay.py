@@ -566,8 +566,8 @@ def replay_stream(pipeline: StreamPipeline, store: Store, head: Commit) -> Pipel
     states = head.states
     if head.world_size != pipeline.world_size or len(states[0].workers) != pipeline.workers:
         pipeline.reset({})
-        ahead = states[0]
-        return pipeline.epoch_start(min(s.epoch for s in states), ahead.batch, head.id)
+        _, old = pipeline.old_shape(head.id, head)  # decoded once, for the carry too
+        return pipeline.epoch_start(min(s.epoch for s in old), old[0].batch, head.id)
     state = head.state(pipeline.rank)
     buffers = read_buffers(pipeline, head, state)
     plan = pipeline.plan(state.epoch, state.origin)

@@ -11,9 +11,10 @@ end. The stream the training loop received (each run's batches up to the checkpo
 next run resumed from, then the last run's) is compared with an uninterrupted run:
 
 * ``exact``: identical, batch for batch (for the elastic scenario, whose order after a
-  world-size change is by design another: every finished epoch holds each sample once
-  and nothing is consumed twice, and ``ledger audit --check coverage --check
-  duplicates`` passes);
+  world-size change is by design another, and the reshape scenarios, whose
+  ``num_workers`` changes at every run: every finished epoch holds each sample once and
+  nothing is consumed twice, and ``ledger audit --check coverage --check duplicates``
+  passes; for the packed stream, the audit only);
 * ``not exact``: it differs;
 * ``error``: a resume or the final run exited non-zero (the first lines of its stderr
   are kept);
@@ -22,7 +23,9 @@ next run resumed from, then the last run's) is compared with an uninterrupted ru
 Scenarios: map-style, stream and packed stream, a map-style dataset beside a stream in one
 ``ledger.Mixture`` (``mix``) and the same packed (``mixpacked``), each with 0 and 2
 DataLoader workers; a 2-rank torchrun job (``torch.distributed`` with gloo); an elastic
-change (2 ranks under torchrun, killed, resumed with 1 rank). Trials cycle through them.
+change (2 ranks under torchrun, killed, resumed with 1 rank); a stream and a packed stream
+whose ``num_workers`` changes at every run (2, 0, 3, 2, ...: what the old workers left is
+carried to the new ones, :func:`ledger.stream.plan.carry_over`). Trials cycle through them.
 
 Example:
     nice -n 10 python tools/chaos.py --trials 200        # the full table (about an hour)
@@ -59,8 +62,13 @@ SCENARIOS = (
     "mixpacked-2",
     "torchrun",
     "elastic",
+    "reshape-stream",
+    "reshape-packed",
 )
-TOTAL = 14  # batches per rank of a trial (more than an epoch of every scenario)
+RESHAPES = (2, 0, 3)  # num_workers of run k of a reshape scenario: RESHAPES[k % 3]
+TOTAL = 14  # batches per rank of a trial
+RESHAPE_TOTAL = 40  # of a reshape trial: two epochs and more, so that epochs finish
+RESHAPE_PACE = 0.1  # seconds a reshape trial's training step takes (kills land mid-run)
 EVERY = 3  # batches between checkpoints
 OUTCOMES = ("exact", "not exact", "error", "hung")
 
@@ -200,6 +208,8 @@ def _loader(kind: str, workers: int, root: str, workdir: str) -> tuple[Any, str]
 def child(argv: list[str]) -> None:
     """``--child KIND WORKERS ROOT OUT CKPT WORKDIR [--resume]``: train, checkpoint, log."""
     kind, workers, root, out, ckpt, workdir = argv[:6]
+    reshape, _, plain = kind.rpartition(":")  # "reshape:stream": more batches
+    kind, total = plain, RESHAPE_TOTAL if reshape else TOTAL
     rank = 0
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and os.environ["WORLD_SIZE"] != "1":
         import torch.distributed as dist
@@ -216,7 +226,7 @@ def child(argv: list[str]) -> None:
     with open(f"{out}.{rank}", "a") as f:
         f.write(json.dumps({"start": step}) + "\n")
         f.flush()
-        while step < TOTAL:
+        while step < total:
             for batch in loader:
                 if key == "packed":  # the owners and the tokens (a map-style sample's draw)
                     ids = batch["sample_ids"].reshape(-1).tolist()
@@ -227,6 +237,8 @@ def child(argv: list[str]) -> None:
                 state = loader.state
                 epoch = state.epoch - 1 if state.epoch_batch == 0 else state.epoch
                 f.write(json.dumps({"step": step, "epoch": epoch, "ids": ids}) + "\n")
+                if reshape:
+                    time.sleep(RESHAPE_PACE)
                 f.flush()
                 step += 1
                 if step % EVERY == 0:
@@ -235,7 +247,7 @@ def child(argv: list[str]) -> None:
                         with open(ckpt + ".tmp", "w") as t:
                             json.dump(token, t)
                         os.replace(ckpt + ".tmp", ckpt)
-                if step >= TOTAL:
+                if step >= total:
                     break
     if rank == 0:
         with open(ckpt + ".done", "w") as t:
@@ -267,6 +279,8 @@ def _command(
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={ranks}", me, "--child", "map", "1", *tail,
         ]  # fmt: skip
+    if kind == "reshape":  # another num_workers at each run: the stream's carry dealing
+        kind, workers = f"reshape:{workers}", str(RESHAPES[run % 3])
     return [sys.executable, me, "--child", kind, workers, *tail]
 
 
@@ -398,7 +412,7 @@ def _last_line(err: str) -> str:
 def _compare(
     scenario: str, ref: dict[int, list], out: str, runs: int, root: str
 ) -> tuple[str, str]:
-    if scenario != "elastic":
+    if scenario not in ("elastic", "reshape-stream", "reshape-packed"):
         for rank, want in ref.items():
             got = _effective(_runs(out, rank, runs), _starts(out, runs))
             if [b["ids"] for b in got] != [b["ids"] for b in want]:
@@ -415,21 +429,24 @@ def _compare(
                     f"rank {rank} differs from batch {first} ({len(got)} vs {len(want)} batches)",
                 )
         return "exact", ""
-    # Elastic: the order changes with the shape; the set per epoch must not.
-    per_epoch: dict[int, Counter[int]] = defaultdict(Counter)
-    for rank in (0, 1):
-        for b in _effective(_runs(out, rank, runs), _starts(out, runs)):
-            per_epoch[b["epoch"]].update(b["ids"])
-    dup = {e: [i for i, n in c.items() if n > 1] for e, c in per_epoch.items()}
-    if any(dup.values()):
-        return (
-            "not exact",
-            f"consumed twice in an epoch: {dict((e, d[:5]) for e, d in dup.items() if d)}",
-        )
-    finished = [e for e in per_epoch if e < max(per_epoch)]
-    short = [e for e in finished if len(per_epoch[e]) < len(_Data())]
-    if short:
-        return "not exact", f"finished epochs {short} miss samples"
+    # Elastic: the order changes with the shape; the set per epoch must not (a packed
+    # stream's batches hold tokens, not one id per sample: the audit below checks it).
+    if scenario != "reshape-packed":
+        per_epoch: dict[int, Counter[int]] = defaultdict(Counter)
+        for rank in (0, 1) if scenario == "elastic" else (0,):
+            for b in _effective(_runs(out, rank, runs), _starts(out, runs)):
+                per_epoch[b["epoch"]].update(b["ids"])
+        dup = {e: [i for i, n in c.items() if n > 1] for e, c in per_epoch.items()}
+        if any(dup.values()):
+            return (
+                "not exact",
+                f"consumed twice in an epoch: {dict((e, d[:5]) for e, d in dup.items() if d)}",
+            )
+        finished = [e for e in per_epoch if e < max(per_epoch)]
+        size = len(_Data()) if scenario == "elastic" else 50  # the shards' rows
+        short = [e for e in finished if len(per_epoch[e]) < size]
+        if short:
+            return "not exact", f"finished epochs {short} miss samples"
     gate = subprocess.run(
         [sys.executable, "-m", "ledger.cli", "audit", root, "--check", "coverage", "--check",
          "duplicates"], env=_env(), capture_output=True, text=True,
