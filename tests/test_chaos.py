@@ -22,7 +22,9 @@ TOOL = Path(__file__).resolve().parent.parent / "tools" / "chaos.py"
         # CI: a stream at 0 workers and a packed mixture at 2 (map-style SIGKILLs at 0
         # and 2 workers are test_sigkill's and test_example's).
         (2, "stream-0,mixpacked-2"),
-        pytest.param(4, "map-2,stream-0,mixpacked-2,elastic", marks=pytest.mark.long),
+        pytest.param(
+            5, "map-2,stream-0,mixpacked-2,elastic,reshape-packed", marks=pytest.mark.long
+        ),
     ],
 )
 def test_chaos_handful(tmp_path: Path, trials: int, scenarios: str) -> None:
