@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 import ledger
 from ledger.commits import PipelineState, WorkerState
 from ledger.errors import ConfigMismatch, LogCorrupted
-from ledger.stream import ShardedSource
+from ledger.stream import ShardedSource, Stream
 from ledger.stream.plan import (
     CARRY_ALGORITHM,
     CARRY_ROUND_ROBIN,
@@ -234,3 +235,64 @@ def test_a_mixture_lane_run_is_the_same_pieces_reading_only_its_buffers(spec, to
         assert got == _cut_resolved(resolved, total, g)
         mine = sorted({owner[150 + r] for f, a, b in got if f == 3 for r in range(a, b)})
         assert asked == ([mine] if mine else [])
+
+
+def test_each_new_rank_reads_only_the_old_segments_dealt_to_it(tmp_path):
+    """8 old ranks of 8 workers, buffers full mid-epoch (``tools/scale.py``'s stream
+    builder) resumed on 4: new rank ``r`` reads the newest segments of old ranks ``2r`` and
+    ``2r + 1`` only, and what the new ranks are dealt, with what the old ones consumed,
+    is every row of the epoch once."""
+    import torch.distributed as dist
+
+    from ledger import segments
+    from ledger.audit import connect
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    import scale
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        buffer = 6
+        rows = 2 * (buffer + scale.STREAM_COMMITS * scale.STREAM_BATCH)
+        stream = Stream(
+            scale.shards(str(tmp_path / "shards"), 8 * scale.WORKERS, rows), shuffle_buffer=buffer
+        )
+        root = str(tmp_path / "log")
+        token, _ = scale.build_stream(root, stream, 8)
+        con = connect(root)
+        consumed = [
+            r[0]
+            for r in con.execute("SELECT sample_id FROM lineage WHERE kind = 'sample'").fetchall()
+        ]
+        con.close()
+        read = segments.read
+        dealt: list[int] = []
+        for r in range(4):
+            paths: set[str] = set()
+
+            def spy(store, rel, paths=paths, **kw):
+                paths.add(rel)
+                return read(store, rel, **kw)
+
+            loader = scale.stream_loader(root, stream, r, 4)
+            segments.read = spy
+            try:
+                loader.load_state_dict(token)
+            finally:
+                segments.read = read
+            assert sorted(paths) == [
+                f"events/attempt=0/rank={old}/seg-{token['step']:012d}.parquet"
+                for old in (2 * r, 2 * r + 1)
+            ]
+            plan = loader._pipeline.plan(0, token["commit"])
+            offsets = stream.source.offsets
+            dealt += [
+                int(offsets[f]) + i
+                for w in range(scale.WORKERS)
+                for f, a, b in plan.pieces(r, w)
+                for i in range(a, b)
+            ]
+            loader.close()
+    finally:
+        dist.destroy_process_group()
+    assert sorted(dealt + consumed) == list(range(stream.source.num_rows))
