@@ -563,6 +563,7 @@ def replay_stream(pipeline: StreamPipeline, store: Store, head: Commit) -> Pipel
         LogCorrupted: if the buffer snapshot is missing or disagrees with the cursors.
     """
     pipeline.store = store
+    pipeline.forget_shapes()
     states = head.states
     if head.world_size != pipeline.world_size or len(states[0].workers) != pipeline.workers:
         pipeline.reset({})

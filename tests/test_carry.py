@@ -296,3 +296,44 @@ def test_each_new_rank_reads_only_the_old_segments_dealt_to_it(tmp_path):
     finally:
         dist.destroy_process_group()
     assert sorted(dealt + consumed) == list(range(stream.source.num_rows))
+
+
+def test_a_loader_resumes_a_recreated_root_with_that_runs_carry(tmp_path):
+    """Commit ids name commits within one run: a loader that resumed a change of shape of
+    one run, and then a token of another run on the same root (deleted and begun again:
+    the same commit ids, another worker count before the change), deals the second run's
+    leftovers, not the first's."""
+    import shutil
+
+    from conftest import packed_stream, text_shards
+
+    from ledger.testing import batches_equal
+
+    shards = text_shards(tmp_path / "shards", 4, 5, "y", 3)
+    root = str(tmp_path / "log")
+
+    def loader(workers):
+        return ledger.DataLoader(
+            packed_stream(shards, shuffle_buffer=3), batch_size=2, seed=0, log=root,
+            num_workers=workers,
+        )  # fmt: skip
+
+    def run(workers):
+        first = loader(workers)
+        list(take(first, 3))
+        token = first.state_dict()
+        first.close()
+        return token
+
+    old = loader(3)
+    before = run(2)
+    old.load_state_dict(before)
+    list(take(old, 2))
+    shutil.rmtree(root)
+    token = run(0)  # another run, one worker: its commit has the same id
+    assert token["commit"] == before["commit"] and token["run_id"] != before["run_id"]
+    fresh = loader(3)
+    fresh.load_state_dict(token)
+    want = list(take(fresh, 6))
+    old.load_state_dict(token)
+    assert all(batches_equal(a, b) for a, b in zip(take(old, 6), want, strict=True))

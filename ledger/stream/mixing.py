@@ -854,7 +854,8 @@ class MixedStreamPipeline:
         """
         self.store = store
         self.replicas = []
-        self._reshapes = {}
+        self._reshapes = {}  # commit ids name commits within one run: computed afresh
+        self._old = None
         was = self._was.get(head.id)
         if was is not None and was[0] != self.mixture.names:
             return self._replay_new_sources(store, head, *was), []

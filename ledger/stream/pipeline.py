@@ -127,8 +127,17 @@ class StreamPipeline:
         self._old: tuple[Commit, list[PipelineState]] | None = None  # see old_shape
 
     def initial_state(self) -> PipelineState:
+        self.forget_shapes()
         self.reset({})
         return self.epoch_start(0, 0, "")
+
+    def forget_shapes(self) -> None:
+        """Drop the plans, carries and old heads computed for an earlier resume: commit ids
+        name commits within one run, and the root may hold another run by now."""
+        self._plans.clear()
+        self._carries.clear()
+        self._old = None
+        self.newest = {}
 
     def config(self) -> dict[str, Any]:
         s = self.settings
