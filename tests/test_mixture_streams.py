@@ -1309,3 +1309,39 @@ def test_source_phases_chain_with_a_weights_phase_between(tmp_path, sources) -> 
     assert len(again) > 3 and again[: len(before)] == before[: len(again)]
     out = CliRunner().invoke(main, ["audit", root, "--check", "mixture", "--check", "coverage"])
     assert out.exit_code == 0 and "in each of 4" in out.output, out.output
+
+
+def test_a_new_phase_is_not_taken_again_by_a_later_resume_of_the_loader(tmp_path, sources) -> None:
+    """A loader that began a phase of new sources at a commit, and later resumes a token
+    of another run on the same root (deleted and begun again with those sources: the
+    same commit id, no phase), resumes that run as a fresh loader does: the first run's
+    change of sources is not applied again."""
+    import shutil
+
+    _write(tmp_path, "web", WEB_ROWS)
+    new = {"code": 0.2, "web": 0.8}
+    root = str(tmp_path / "log")
+
+    def make(mix: Mixture) -> ledger.DataLoader:
+        return ledger.DataLoader(
+            mix, batch_size=3, shuffle=True, seed=5, log=root, collate_fn=texts
+        )
+
+    first = make(mixture(sources, False))
+    list(take(first, 5))
+    boundary = first.state_dict()
+    first.close()
+    phased = make(_changed(tmp_path, sources, False, new))
+    phased.load_state_dict(boundary, new_phase=True)
+    list(take(phased, 2))
+    shutil.rmtree(root)
+    other = make(_changed(tmp_path, sources, False, new))  # the new sources from the start
+    list(take(other, 5))
+    token = other.state_dict()
+    other.close()
+    assert token["commit"] == boundary["commit"] and token["run_id"] != boundary["run_id"]
+    fresh = make(_changed(tmp_path, sources, False, new))
+    fresh.load_state_dict(token)
+    want = list(take(fresh, 6))
+    phased.load_state_dict(token)
+    assert list(take(phased, 6)) == want

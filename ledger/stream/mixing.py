@@ -856,7 +856,7 @@ class MixedStreamPipeline:
         self.replicas = []
         self._reshapes = {}  # commit ids name commits within one run: computed afresh
         self._old = None
-        was = self._was.get(head.id)
+        was = self._was.pop(head.id, None)  # made for this replay only
         if was is not None and was[0] != self.mixture.names:
             return self._replay_new_sources(store, head, *was), []
         states = head.states
