@@ -1186,8 +1186,10 @@ def _usual_fields(data: dict[str, Any], cid: str) -> dict[str, Any] | None:
         ref = data["manifest"]
         if type(ref) is not dict:
             return None
-        path, digest = ref.get("path"), ref.get("sha256")
+        path, digest, size = ref.get("path"), ref.get("sha256"), ref.get("bytes")
         if path != manifest_mod.manifest_path(cid) or type(digest) is not str:
+            return None
+        if type(size) is not int or not 0 <= size <= INT64_MAX:
             return None
         if not _HEX64.fullmatch(digest):
             return None
@@ -1229,6 +1231,7 @@ def _extra_fields_checked(data: dict[str, Any], cid: str, where: str) -> dict[st
         path = relative_path(ref, "path", inner)
         if path != manifest_mod.manifest_path(cid):
             raise LogCorrupted(f"{inner}: path {path!r} is not {manifest_mod.manifest_path(cid)}")
+        require(ref, "bytes", int, inner, minimum=0)
         extra["manifest"] = (path, sha256_hex(ref, "sha256", inner))
     if "lineage" in data:
         ranges = []

@@ -264,6 +264,26 @@ def test_mangled_marker_is_a_typed_error(root):
         fresh.load_state_dict(token)
 
 
+@pytest.mark.parametrize("size", [None, -1, "12", 1.5, True, 2**70])
+def test_a_marker_whose_manifest_size_is_mangled_is_named(root, size):
+    """The manifest reference's byte count is checked as its path and SHA-256 are:
+    ``verify`` fails the marker and a resume from it names the field."""
+    token = _token(root)
+    path = os.path.join(root, "commits", f"{token['commit']}.json")
+    with open(path) as f:
+        marker = json.load(f)
+    marker["manifest"]["bytes"] = size
+    with open(path, "w") as f:
+        json.dump(marker, f)
+    result = CliRunner().invoke(main, ["verify", root, "--format", "json"])
+    assert result.exit_code == 3
+    markers = next(r for r in json.loads(result.output) if r["check"] == "markers")
+    assert not markers["ok"] and "'bytes'" in markers["detail"]
+    fresh = ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=0, log=root)
+    with pytest.raises(LogCorrupted, match="'bytes'"):
+        fresh.load_state_dict(token)
+
+
 def test_a_root_ledger_cannot_open_is_a_storage_error(monkeypatch):
     with pytest.raises(StorageError, match="Protocol not known: nope"):
         Store("nope://bucket/run")

@@ -273,10 +273,15 @@ def main(argv: list[str] | None = None) -> None:
     total = 0
     for kind in a.logs.split(","):
         root, token = build(kind, base, _LOADERS.get(kind))
-        pristine = {
-            name: (status, text) for name, status, text in run(kind, root, token, a.timeout)
-        }
         work = base / kind / "work"
+        # Every run is on a fresh copy of the log, the undamaged one's too: the resume
+        # appends to the log it runs on (an attempt record, a journal).
+        if work.exists():
+            shutil.rmtree(work)
+        shutil.copytree(root, work)
+        pristine = {
+            name: (status, text) for name, status, text in run(kind, str(work), token, a.timeout)
+        }
         found = 0
         for rel in chosen(root, token["commit"]):
             data = Path(root, rel).read_bytes()
