@@ -1322,17 +1322,23 @@ def default_head(commits: list[Commit]) -> Commit | None:
     return max(commits, key=lambda c: (c.attempt, c.step), default=None)
 
 
-def lineage(store: Store, head: str, known: dict[str, Commit] | None = None) -> list[Commit]:
+def lineage(
+    store: Store, head: str, known: dict[str, Commit] | None = None, *, checked: bool = True
+) -> list[Commit]:
     """The chain of commits from the first one to ``head`` (inclusive), oldest first.
 
     Args:
         store: the log root.
         head: id of the head commit.
         known: already-read markers by id (avoids re-reading them).
+        checked: compare the chain with the lineage ranges the head's marker records
+            (:func:`ledger.manifest.check_chain`); ``False`` for ``ledger verify``, which
+            reports a mismatch as a failed check of its own.
 
     Raises:
         CommitNotFound: if ``head`` does not exist.
-        LogCorrupted: if a parent named by a marker is missing, or the chain loops.
+        LogCorrupted: if a parent named by a marker is missing, the chain loops, or
+            (``checked``) it is not the lineage the head's marker records.
     """
     known = dict(known or {})
     chain: list[Commit] = []
@@ -1354,4 +1360,8 @@ def lineage(store: Store, head: str, known: dict[str, Commit] | None = None) -> 
         chain.append(known[cid])
         cid = known[cid].parent
     chain.reverse()
+    if checked:
+        manifest_mod.check_chain(
+            head, chain[-1].lineage_ranges, [c.attempt for c in chain], [c.step for c in chain]
+        )
     return chain

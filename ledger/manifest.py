@@ -103,6 +103,52 @@ def extend(parent: Ranges | None, attempt: int, step: int) -> Ranges:
     return (*(parent or ()), (attempt, step, step))
 
 
+def ranges_of(attempts: Sequence[int] | np.ndarray, steps: Sequence[int] | np.ndarray) -> Ranges:
+    """The lineage ranges of a chain of commits given by their attempts and steps, oldest
+    first (what :func:`extend` gives commit by commit, in a few numpy passes)."""
+    attempt = np.asarray(attempts, np.int64)
+    step = np.asarray(steps, np.int64)
+    if not attempt.size:
+        return ()
+    cut = np.flatnonzero(attempt[1:] != attempt[:-1]) + 1
+    first = np.concatenate(([0], cut))
+    last = np.concatenate((cut - 1, [attempt.size - 1]))
+    return tuple(
+        zip(attempt[first].tolist(), step[first].tolist(), step[last].tolist(), strict=True)
+    )
+
+
+def check_chain(
+    head: str,
+    recorded: Ranges | None,
+    attempts: Sequence[int] | np.ndarray,
+    steps: Sequence[int] | np.ndarray,
+) -> None:
+    """Check a lineage walked by parent links against the ranges its head's marker
+    records: a damaged ``parent`` field (a chain cut short, or led elsewhere) must not
+    become an audit of other commits.
+
+    Args:
+        head: the head commit's id (for the message).
+        recorded: the head marker's lineage ranges (``None``: a marker written before
+            they existed; nothing to check).
+        attempts: ``int (C,)``: the attempt of each commit of the walked chain, oldest first.
+        steps: ``int (C,)``: their steps.
+
+    Raises:
+        LogCorrupted: if the walked chain's ranges differ from ``recorded``.
+    """
+    if recorded is None:
+        return
+    walked = ranges_of(attempts, steps)
+    if walked != tuple(recorded):
+        raise LogCorrupted(
+            f"the parent links from commit {head} give the lineage {list(walked)} "
+            f"(attempt, first step, last step), but its marker records {list(recorded)}: "
+            "a marker's parent or lineage field is damaged (ledger verify names it)"
+        )
+
+
 def in_ranges(ranges: Ranges, attempt: int, step: int) -> bool:
     """Whether the commit at ``(attempt, step)`` is in the lineage ``ranges``."""
     return any(a == attempt and lo <= step <= hi for a, lo, hi in ranges)

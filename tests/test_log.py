@@ -13,10 +13,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import Augmented
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ledger
+from ledger import manifest
 from ledger.commits import default_head, lineage, list_commits
 from ledger.digest import batch_digest
+from ledger.errors import LogCorrupted
 from ledger.journal import read_journal
 from ledger.order import EpochOrder
 from ledger.store import Store
@@ -117,6 +121,38 @@ def test_resume_forms_an_abandoned_branch(root):
     with open(os.path.join(root, "attempts", "0001.json")) as f:
         meta = json.load(f)
     assert meta["parent"] == token2["commit"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), max_size=30).map(
+        lambda moves: _chain_of(moves)
+    )
+)
+def test_lineage_ranges_of_a_chain_are_those_its_commits_extend_one_by_one(chain):
+    """``ranges_of`` (the audit's check of a walked chain, a few numpy passes) gives what
+    each commit's marker records (``extend`` from its parent's), and ``check_chain``
+    refuses the chain with a commit left out."""
+    recorded = None
+    for attempt, step in chain:
+        recorded = manifest.extend(recorded, attempt, step)
+    attempts, steps = [a for a, _ in chain], [s for _, s in chain]
+    assert manifest.ranges_of(attempts, steps) == (recorded or ())
+    manifest.check_chain("head", recorded, attempts, steps)
+    manifest.check_chain("head", None, [], [])  # a marker without ranges: nothing to check
+    if len(chain) > 1:
+        with pytest.raises(LogCorrupted, match="parent links from commit head"):
+            manifest.check_chain("head", recorded, attempts[1:], steps[1:])
+
+
+def _chain_of(moves):
+    """A chain's ``(attempt, step)``: attempts never decrease, steps always increase."""
+    chain, attempt, step = [], 0, 0
+    for more, gap in moves:
+        attempt += more
+        step += gap
+        chain.append((attempt, step))
+    return chain
 
 
 def test_state_dict_is_idempotent_without_new_batches(root):

@@ -587,6 +587,33 @@ def test_verify_names_an_attempt_whose_parent_is_no_commit(pristine, tmp_path):
     assert got["segments"] == "True"  # the other checks still ran
 
 
+@pytest.mark.parametrize("parent", [None, "000000000099-0000", "000000000004-0000"])
+def test_a_damaged_parent_link_is_refused_not_an_audit_of_another_chain(pristine, tmp_path, parent):
+    """A head whose marker's parent is damaged (cut to null: the chain looks shorter; or
+    naming a missing or another commit) gives no answer about another lineage: the chain
+    walked by parent links must be the lineage the head's marker records. Before, a null
+    parent made ``audit``, ``where`` and ``reconstruct`` answer for the head alone, exit
+    0 (coverage 25% instead of 50%)."""
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    _set(root, "commits/000000000004-0000.json", ("parent",), parent)
+    for name in ("audit", "check", "where", "show", "reconstruct", "sql", "report"):
+        out, html = tmp_path / "o.parquet", tmp_path / "r.html"
+        args = [a.format(out=out, html=html) for a in COMMANDS[name]]
+        result = _cli(args[0], root, *args[1:])
+        if name == "check":  # checks that could not run are failed checks
+            assert result.exit_code == 3 and "000000000004-0000" in result.output, result.output
+            continue
+        assert result.exit_code == 1, (name, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("Error: "), (name, result.stderr)
+        assert "000000000004-0000" in lines[0], (name, lines[0])
+    verified = _cli("verify", root, "--format", "csv")
+    assert verified.exit_code == 3, verified.output
+    with pytest.raises(LedgerError, match="000000000004-0000"):
+        summarize(root)
+
+
 def test_verify_names_an_attempt_that_committed_without_its_record(pristine, tmp_path):
     """A loader claims its attempt's record before it writes anything: an attempt whose
     commits outlived its record lost it (the audit could no longer say what the attempt

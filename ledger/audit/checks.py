@@ -456,7 +456,9 @@ def _verify(store: Store, progress: Progress | None) -> Verification:
     chain: set[str] = set()
     head = default_head(commits)
     if walkable and head is not None:
-        chain = {c.id for c in lineage(store, head.id, known={c.id: c for c in commits})}
+        chain = {
+            c.id for c in lineage(store, head.id, known={c.id: c for c in commits}, checked=False)
+        }
     by_step = sorted(commits, key=lambda c: (c.step, c.attempt))
     counted = [c for c in by_step if c.id in chain]
     other = [c for c in by_step if c.id not in chain]

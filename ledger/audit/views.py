@@ -105,12 +105,14 @@ from ledger.commits import (
     list_commits,
     parsing_once,
     read_attempt,
+    read_commit,
     read_run,
 )
 from ledger.compaction import piece_table
 from ledger.errors import LogCorrupted
 from ledger.history import History, read_history, segments_table
 from ledger.journal import uncommitted
+from ledger.manifest import check_chain
 from ledger.schema import EVENT_SCHEMA, chunks_to_table
 from ledger.store import Store
 
@@ -212,7 +214,10 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
         head = history.ids[at].as_py() if at is not None else None
         in_lineage = np.zeros(len(history), np.bool_)
         if at is not None:
-            in_lineage[history.lineage(at)] = True
+            chain = history.lineage(at)
+            recorded = read_commit(store, str(head)).lineage_ranges
+            check_chain(str(head), recorded, history.attempt[chain], history.step[chain])
+            in_lineage[chain] = True
         is_head = np.arange(len(history)) == (-1 if at is None else at)
         tables = _history_tables(history)
         in_chain = in_lineage[history.segment_commits()]
