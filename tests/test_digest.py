@@ -104,8 +104,41 @@ def test_an_undigestable_batch_is_a_type_error():
 
     with pytest.raises(TypeError, match="digest=False"):
         batch_digest({"x": Custom()})
-    with pytest.raises(TypeError, match="object"):
+    with pytest.raises(TypeError, match=r"object.*digest=False"):
         batch_digest(np.array([object()]))
+    with pytest.raises(TypeError, match=r"meta device.*digest=False"):
+        batch_digest({"x": torch.empty(3, device="meta")})
+    loop: list = [1]
+    loop.append(loop)
+    with pytest.raises(TypeError, match=r"holds itself.*digest=False"):
+        batch_digest(loop)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_sparse_batch_is_digested_by_its_indices_and_values():
+    """A sparse tensor is its layout, dtype, shape, index tensors and values: the same
+    content gives the same digest however it was built (a COO tensor coalesced or not),
+    another value, index, shape or layout another one (before: torch's RuntimeError
+    about ``nbytes`` out of the loader)."""
+    dense = torch.tensor([[0.0, 2.0, 0.0], [3.0, 0.0, 4.0]])
+    coo = dense.to_sparse()
+    built = torch.sparse_coo_tensor([[1, 0, 1, 1], [2, 1, 0, 2]], [1.0, 2.0, 3.0, 3.0], (2, 3))
+    assert not built.is_coalesced()
+    assert batch_digest(built) == batch_digest(coo)  # 1 + 3 at (1, 2): the same content
+    assert batch_digest([coo]) == batch_digest([coo.coalesce()])
+    assert batch_digest(coo) != batch_digest(dense)
+    assert batch_digest(coo) != batch_digest((dense * 2).to_sparse())
+    assert batch_digest(coo) != batch_digest(dense.t().contiguous().to_sparse())
+    assert batch_digest(coo) != batch_digest(torch.cat([dense, dense * 0]).to_sparse())
+    layouts = {
+        batch_digest(dense.to_sparse_csr()),
+        batch_digest(dense.to_sparse_csc()),
+        batch_digest(coo),
+        batch_digest(dense.to_sparse_bsr((1, 1))),
+    }
+    assert len(layouts) == 4
+    assert batch_digest(dense.to_sparse_csr()) == batch_digest(dense.clone().to_sparse_csr())
+    assert batch_digest(dense.to_sparse_csr()) != batch_digest((dense + 1).to_sparse_csr())
 
 
 def test_every_tensor_path_hashes_the_same_content():
