@@ -334,6 +334,9 @@ def find_run(store: Store) -> dict[str, Any] | None:
             minimum=_RUN_REQUIRED.get(key),
             maximum=top,
         )
+    packer = require(config, "packer", dict, f"{where}, config", default=None, nullable=True)
+    if packer is not None:  # a packed stream's: the report divides by seq_len
+        require(packer, "seq_len", int, f"{where}, config, packer", minimum=1)
     return run
 
 

@@ -559,6 +559,8 @@ def test_an_integer_beyond_int64_is_named_not_an_overflow(pristine, tmp_path, re
         ("seed", None, "expected an integer"),
         ("dataset_len", -1, "expected at least 0"),
         ("batch_size", 0, "expected at least 1"),
+        ("packer", 1.5, "expected an object or null"),
+        ("packer", True, "expected an object or null"),
     ],
 )
 def test_a_run_config_without_its_numbers_is_named(pristine, tmp_path, key, value, expected):
@@ -573,6 +575,21 @@ def test_a_run_config_without_its_numbers_is_named(pristine, tmp_path, key, valu
         assert result.exit_code == 1, result.output
         assert f"run.json, config: field '{key}' is {value}" in result.stderr, result.stderr
         assert expected in result.stderr
+
+
+def test_a_packed_run_config_without_its_sequence_length_is_named(pristine, tmp_path):
+    """``config.packer.seq_len`` divides the report's token counts: a packer without a
+    positive one is named (before: TypeError ``'float' object is not subscriptable`` out
+    of ``ledger report`` for a mangled packer)."""
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    for packer, expected in (({"seq_len": 0}, "is 0, expected at least 1"), ({}, "seq_len")):
+        _set(root, "run.json", ("config", "packer"), packer)
+        for args in (["audit", root], ["report", root, "--out", str(tmp_path / "r.html")]):
+            result = _cli(*args)
+            assert result.exit_code == 1, result.output
+            assert "run.json, config, packer: field 'seq_len'" in result.stderr, result.stderr
+            assert expected in result.stderr
 
 
 def test_verify_names_an_attempt_whose_parent_is_no_commit(pristine, tmp_path):
