@@ -426,6 +426,44 @@ def test_a_changed_stream_row_is_caught_where_it_is_read_again(tmp_path, workers
     assert expected and all(t.startswith("row ") for b in expected for t in b)
 
 
+@pytest.mark.parametrize(
+    ("source", "named"),
+    [
+        (None, "not a list of shard fingerprints"),
+        ([7], "source[0]"),
+        ([{}], "field 'path'"),
+        ([{"path": "p", "size": -1, "rows": 6, "digest": "d"}], "field 'size'"),
+        ([{"path": "p", "size": 1, "rows": "6", "digest": "d"}], "field 'rows'"),
+    ],
+)
+def test_a_mangled_source_fingerprint_is_named_on_resume(tmp_path, source, named):
+    """The shard fingerprint ``run.json`` records is checked before it is compared: a
+    mangled one is :class:`LogCorrupted` naming the entry (before: TypeError and KeyError
+    out of ``load_state_dict``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ledger.errors import LogCorrupted
+    from ledger.stream import ShardedSource, Stream
+
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(6)]}), tmp_path / "s.parquet")
+    root = str(tmp_path / "log")
+
+    def make():
+        return ledger.DataLoader(
+            Stream(ShardedSource(str(tmp_path / "s.parquet")), shuffle_buffer=2),
+            batch_size=2, seed=2, log=root, collate_fn=lambda rows: [r["text"] for r in rows],
+        )  # fmt: skip
+
+    loader = make()
+    list(take(loader, 1))
+    token = loader.state_dict()
+    _set(root, "run.json", ("config", "source"), source)
+    with pytest.raises(LogCorrupted, match=r"run\.json, config, source") as e:
+        make().load_state_dict(token)
+    assert named in str(e.value)
+
+
 def test_row_group_digests_are_xxh3_and_a_run_s_older_sha256_ones_are_still_checked(tmp_path):
     import hashlib
 

@@ -111,8 +111,10 @@ from ledger.stream.packing import Tail
 from ledger.stream.plan import Buffers, Held, RowDeal
 from ledger.stream.replica import next_worker
 from ledger.stream.shuffle import Piece
+from ledger.stream.source import checked_fingerprint
 from ledger.stream.spec import Stream
 from ledger.stream.worker import BatchMeta, identity
+from ledger.validate import require
 
 if TYPE_CHECKING:
     from ledger.mixture import Mixture
@@ -240,11 +242,26 @@ class MixedStreamPipeline:
         }
 
     def check_logged(self, logged: dict[str, Any]) -> None:
-        entries = {e.get("name"): e for e in logged.get("mixture", {}).get("sources", [])}
+        """Check each stream source against the fingerprint the log recorded for it.
+
+        Raises:
+            ConfigMismatch: for a changed source.
+            LogCorrupted: if ``run.json``'s mixture or a source's fingerprint is mangled.
+        """
+        where = "run.json, config, mixture"
+        mix = require(logged, "mixture", dict, "run.json, config")
+        sources = require(mix, "sources", list, where)
+        entries = {}
+        for i, e in enumerate(sources):
+            entries[require(e, "name", str, f"{where}, sources[{i}]")] = e
         for name, stream in zip(self.mixture.names, self.mixture.sources, strict=True):
             entry = entries.get(name)  # a source a later phase added is not in run.json
             if entry is not None and isinstance(stream, Stream):
-                stream.source.check(entry.get("stream", {}).get("source", []))
+                at = f"{where}, source {name!r}"
+                recorded = require(entry, "stream", dict, at, default={})
+                stream.source.check(
+                    checked_fingerprint(require(recorded, "source", list, at, default=[]), at)
+                )
 
     def batches_per_epoch(self) -> int:
         raise TypeError("a stream mixture's batches per epoch are not known in advance")

@@ -18,8 +18,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from ledger.errors import CommitConflict, ConfigMismatch, DataError, UnsupportedArgument
+from ledger.errors import (
+    CommitConflict,
+    ConfigMismatch,
+    DataError,
+    LogCorrupted,
+    UnsupportedArgument,
+)
 from ledger.store import Files, Store
+from ledger.validate import require
 
 _JSONL_BLOCK = 1024  # lines read per request when streaming a JSONL shard
 
@@ -57,6 +64,25 @@ class FileInfo:
     size: int
     rows: int
     digest: str
+
+
+def checked_fingerprint(logged: Any, where: str = "run.json, config, source") -> list[Any]:
+    """A source's fingerprint as a log recorded it (:meth:`ShardedSource.fingerprint`),
+    checked: a list of objects with ``path`` (str), ``size`` and ``rows`` (integers >= 0)
+    and ``digest`` (str or null).
+
+    Raises:
+        LogCorrupted: naming ``where`` and the entry, if it is anything else.
+    """
+    if not isinstance(logged, list):
+        raise LogCorrupted(f"{where} is {logged!r}, not a list of shard fingerprints")
+    for i, entry in enumerate(logged):
+        at = f"{where}[{i}]"
+        require(entry, "path", str, at)
+        require(entry, "size", int, at, minimum=0)
+        require(entry, "rows", int, at, minimum=0)
+        require(entry, "digest", str, at, nullable=True)
+    return logged
 
 
 class ShardedSource:
@@ -144,7 +170,10 @@ class ShardedSource:
 
         Raises:
             ConfigMismatch: naming the first differing file and what differs.
+            LogCorrupted: if ``logged`` is not a list of fingerprints (a damaged
+                ``run.json``).
         """
+        logged = checked_fingerprint(logged)
         mine = self.fingerprint()
         for i in range(max(len(mine), len(logged))):
             want = logged[i] if i < len(logged) else None
