@@ -337,7 +337,46 @@ def find_run(store: Store) -> dict[str, Any] | None:
     packer = require(config, "packer", dict, f"{where}, config", default=None, nullable=True)
     if packer is not None:  # a packed stream's: the report divides by seq_len
         require(packer, "seq_len", int, f"{where}, config, packer", minimum=1)
+    if "mixture" in config:
+        check_mixture(config["mixture"], f"{where}, config, mixture")
     return run
+
+
+def check_mixture(mix: Any, where: str) -> dict[str, Any]:
+    """A mixture's configuration as ``run.json`` (or a phase's attempt record) holds it,
+    checked for what the audits read: ``epoch_size``, ``sources`` (each a ``name`` and
+    a ``len``), ``schedule`` (``[start, {source: weight}]`` pairs) and ``targets`` (a map
+    of shares per schedule entry).
+
+    Raises:
+        LogCorrupted: naming ``where`` and the field, if one is missing or mangled.
+    """
+    require(mix, "epoch_size", int, where, minimum=0)
+    for i, source in enumerate(require(mix, "sources", list, where)):
+        require(source, "name", str, f"{where}, sources[{i}]")
+        require(source, "len", int, f"{where}, sources[{i}]", minimum=0, default=None)
+    schedule = require(mix, "schedule", list, where)
+    targets = require(mix, "targets", list, where)
+    for i, entry in enumerate(schedule):
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and _is_int(entry[0])
+            and 0 <= entry[0] <= INT64_MAX
+            and _weights(entry[1])
+        ):
+            raise LogCorrupted(f"{where}: schedule[{i}] is {entry!r}, not [start, weights]")
+    if len(targets) != len(schedule) or not all(_weights(t) for t in targets):
+        raise LogCorrupted(f"{where}: field 'targets' is not one map of shares per schedule entry")
+    return dict(mix)
+
+
+def _weights(value: Any) -> bool:
+    """Whether ``value`` is a map of source names to numbers."""
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+        for k, v in value.items()
+    )
 
 
 SEED_MAX = (1 << 64) - 1
@@ -414,6 +453,8 @@ def _phase(phase: Any, where: str) -> dict[str, Any] | None:
     require(phase, "start", int, where, minimum=0)
     if not isinstance(phase.get("config"), dict):
         raise LogCorrupted(f"{where}: the phase has no 'config' object")
+    if "mixture" in phase["config"]:
+        check_mixture(phase["config"]["mixture"], f"{where}, phase, config, mixture")
     base = phase.get("base")
     if not (isinstance(base, list) and all(isinstance(b, int) for b in base)):
         raise LogCorrupted(f"{where}: the phase's 'base' is not a list of integers")

@@ -698,3 +698,58 @@ def test_an_attempt_record_without_its_start_time_still_reports(pristine, tmp_pa
     _set(root, "attempts/0001.json", ("created_at",), None)
     result = _cli("report", root, "--out", str(tmp_path / "r.html"))
     assert result.exit_code == 0, result.output
+
+
+@pytest.fixture(scope="module")
+def mixture_log(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A committed log of a two-source ``ledger.Mixture`` of streams."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ledger.stream import ShardedSource, Stream
+
+    base = tmp_path_factory.mktemp("mixture")
+    for s in range(2):
+        rows = [f"shard {s} doc {i}" for i in range(6)]
+        pq.write_table(pa.table({"text": rows}), base / f"p{s}.parquet")
+    sources = {
+        name: Stream(ShardedSource(str(base / f"p{s}.parquet")), shuffle_buffer=2)
+        for s, name in enumerate("ab")
+    }
+    root = str(base / "log")
+    loader = ledger.DataLoader(
+        ledger.Mixture(sources, weights={"a": 0.5, "b": 0.5}), batch_size=3, seed=5, log=root,
+        collate_fn=lambda rows: [r["text"] for r in rows],
+    )  # fmt: skip
+    list(take(loader, 3))
+    loader.state_dict()
+    loader.close()
+    return root
+
+
+@pytest.mark.parametrize(
+    ("keys", "value", "named"),
+    [
+        (("schedule", 0, 0), 2**70, "schedule[0] is"),
+        (("schedule", 0, 0), -1, "schedule[0] is"),
+        (("schedule", 0), [0, {"a": "half"}], "schedule[0] is"),
+        (("schedule",), None, "field 'schedule'"),
+        (("targets",), [], "field 'targets' is not one map of shares per schedule entry"),
+        (("sources", 0, "name"), 7, "sources[0]: field 'name'"),
+        (("sources", 1, "len"), -1, "sources[1]: field 'len'"),
+        (("epoch_size",), 1.5, "field 'epoch_size'"),
+    ],
+)
+def test_a_mangled_mixture_config_is_named(mixture_log, tmp_path, keys, value, named):
+    """The audits read a mixture's schedule, targets and sources from ``run.json``: a
+    mangled one is damage named with its field (before: TypeError out of ``int()`` in
+    ``audit`` and ``report`` for a schedule start beyond int64, KeyError for a missing
+    field)."""
+    root = str(tmp_path / "log")
+    shutil.copytree(mixture_log, root)
+    _set(root, "run.json", ("config", "mixture", *keys), value)
+    for args in (["audit", root], ["report", root, "--out", str(tmp_path / "r.html")]):
+        result = _cli(*args)
+        assert result.exit_code == 1, result.output
+        assert "run.json, config, mixture" in result.stderr, result.stderr
+        assert named in result.stderr, result.stderr
