@@ -372,3 +372,60 @@ def test_take_placed_after_slices_the_previous_id_or_declines():
     assert ids.tolist() == [int(first[-1]), *want.tolist()]
     assert places.tolist() == _placed_in(source)(ids).tolist()
     assert got.take(50).tolist() == ref.take(50).tolist()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=0, max_size=30),
+    seq_len=st.integers(1, 24),
+    sequences=st.integers(1, 6),
+    pad=st.integers(-3, 3),
+)
+def test_assemble_lays_out_what_a_token_by_token_packer_would(lengths, seq_len, sequences, pad):
+    """:func:`assemble` (whole-batch array operations) against the definition: the
+    samples' tokens concatenated in span order, cut into ``seq_len`` rows, the last padded
+    with ``pad_id`` and owner -1; ``tokens`` is called once per span, in order."""
+    from ledger.stream.packing import Packer, assemble
+
+    docs = {sid: np.arange(n, dtype=np.int64) + 1000 * sid for sid, n in enumerate(lengths)}
+    pulled = iter(docs.items())
+    state = PackState(None, [])
+    spans = state.pack(seq_len, sequences, lambda: next(((s, d.size) for s, d in pulled), None),
+                       lambda tail: None)  # fmt: skip
+    asked: list[int] = []
+
+    def tokens(sid: int) -> np.ndarray:
+        asked.append(sid)
+        return docs[sid]
+
+    ids = [s for s, _, _, _ in spans]
+    out = assemble(Packer(seq_len, pad_id=pad), ids, [sp[1:] for sp in spans], tokens)
+    assert asked == ids
+    flat_tokens = [int(t) for s, a, b, _ in spans for t in docs[s][a:b]]
+    flat_owners = [s for s, a, b, _ in spans for _ in range(b - a)]
+    rows = -(-len(flat_tokens) // seq_len)
+    padding = rows * seq_len - len(flat_tokens)
+    assert out["tokens"].shape == out["sample_ids"].shape == (rows, seq_len)
+    assert out["tokens"].reshape(-1).tolist() == flat_tokens + [pad] * padding
+    assert out["sample_ids"].reshape(-1).tolist() == flat_owners + [-1] * padding
+
+
+def test_assemble_names_the_first_span_that_is_not_this_packing():
+    from ledger.stream.packing import Packer, assemble
+
+    docs = {1: np.arange(5), 2: np.arange(4), 3: np.arange(6)}
+    good = [(0, 5, 5), (0, 3, 4), (3, 4, 4), (0, 6, 6)]
+    ids = [1, 2, 2, 3]
+    packer = Packer(8)
+    assert assemble(packer, ids, good, docs.__getitem__)["tokens"].shape == (2, 8)
+    # A sample whose length changed since it was logged: its first span is named,
+    # even with a later span that would not fit.
+    with pytest.raises(
+        LedgerError, match=r"sample 2 has 4 tokens now; the log packed tokens \[0, 3\) of 7"
+    ):
+        assemble(packer, ids, [(0, 5, 5), (0, 3, 7), (3, 9, 9), (0, 6, 6)], docs.__getitem__)
+    # A span of 5 tokens where the sequence has 3 left (5 + 5 > 8).
+    with pytest.raises(LedgerError, match="a span of 5 tokens of sample 1 into a sequence with 3"):
+        assemble(packer, [1, 1], [(0, 5, 5), (0, 5, 5)], docs.__getitem__)
+    with pytest.raises(LedgerError, match=r"packed tokens \[2, 2\) of 6"):
+        assemble(packer, [3], [(2, 2, 6)], docs.__getitem__)

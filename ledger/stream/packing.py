@@ -180,7 +180,7 @@ class PackState:
         Args:
             ids: ``int64 (rows,)``: the sample of each span.
             spans: ``int64 (rows, 3)``: ``token_start, token_end, length``
-                (:func:`span_array`: column-major, so each column is contiguous).
+                (column-major, so each column is contiguous).
 
         Returns:
             ``(index, begun)``: ``int64 (rows,)`` into ``owners``, and how many samples
@@ -250,17 +250,10 @@ def _nothing(ids: np.ndarray) -> None:
     return None
 
 
-def span_array(spans: list[tuple[int, int, int]]) -> np.ndarray:
-    """Spans ``(token_start, token_end, length)`` as ``int64 (rows, 3)`` in column-major
-    order: each column is contiguous, so the main process checks and logs the columns
-    without copying them."""
-    return np.asfortranarray(np.array(spans, np.int64).reshape(-1, 3))
-
-
 def assemble(
     packer: Packer,
     ids: list[int],
-    spans: list[tuple[int, int, int]],
+    spans: list[tuple[int, int, int]] | np.ndarray,
     tokens: Callable[[int], np.ndarray],
 ) -> dict[str, torch.Tensor]:
     """Lay spans out into sequences and copy their tokens: the batch a packed stream yields.
@@ -271,8 +264,10 @@ def assemble(
     Args:
         packer: the stream's packer.
         ids: the sample of each span.
-        spans: ``(token_start, token_end, length)`` of each span.
-        tokens: a sample's tokens (``int64 (length,)``, EOS included) by sample id.
+        spans: ``(token_start, token_end, length)`` of each span (``int64 (rows, 3)``, or
+            a list of triples).
+        tokens: a sample's tokens (``int64 (length,)``, EOS included) by sample id;
+            called once per span, in order.
 
     Returns:
         ``{"tokens", "sample_ids"}``: ``int64 (sequences, seq_len)`` each.
@@ -280,35 +275,46 @@ def assemble(
     Raises:
         LedgerError: if a sample's length differs from its span's, or the spans are not
             a packing of this packer (changed data or a transform that is not
-            deterministic).
+            deterministic); the first such span is named.
     """
     seq_len = packer.seq_len
-    # A sequence is full before the next begins (checked below), so the spans fill
-    # ceil(tokens / seq_len) sequences: laid out in place, no per-sequence arrays.
-    total = sum(end - start for start, end, _ in spans)
+    arr = np.asarray(spans, np.int64).reshape(-1, 3)
+    start, end, length = arr[:, 0], arr[:, 1], arr[:, 2]
+    docs = [tokens(sid) for sid in ids]
+    # Whole-batch checks and copies: a Python step per span costs ~2 µs, and a packed
+    # batch has hundreds of spans.
+    have = np.fromiter(map(len, docs), np.int64, len(docs))
+    take = end - start
+    wrong = (have != length) | (start < 0) | (start >= end) | (end > length) | (take > seq_len)
+    # A sequence is full before the next begins: a span that starts inside a sequence
+    # fits in what is left of it. (``take`` of a wrong span may be anything: masked.)
+    take = np.where(wrong, 0, take)
+    at = np.cumsum(take) - take  # tokens laid out before each span
+    inside = at % seq_len
+    overflows = (inside != 0) & (inside + take > seq_len)
+    bad = np.flatnonzero(wrong | overflows)
+    if bad.size:
+        i = int(bad[0])
+        sid, s, e, n = int(ids[i]), int(start[i]), int(end[i]), int(length[i])
+        if wrong[i]:
+            raise LedgerError(
+                f"sample {sid} has {int(have[i])} tokens now; the log packed tokens "
+                f"[{s}, {e}) of {n}: the data or the transform changed"
+            )
+        raise LedgerError(
+            f"the log packs a span of {e - s} tokens of sample {sid} into a sequence "
+            f"with {seq_len - int(inside[i])} tokens left: it is not this stream's packing"
+        )
+    total = int(take.sum())
     rows = -(-total // seq_len)
     both = _int64_pair(rows, seq_len)
     flat_tokens, flat_owners = both.numpy().reshape(2, -1)
+    if docs:
+        pieces = [d[s:e] for d, s, e in zip(docs, start.tolist(), end.tolist(), strict=True)]
+        np.concatenate(pieces, out=flat_tokens[:total], casting="unsafe")
+        flat_owners[:total] = np.repeat(np.asarray(ids, np.int64), take)
     flat_tokens[total:] = packer.pad_id  # the padding of a short last sequence
     flat_owners[total:] = -1
-    at = 0  # tokens laid out so far
-    for sid, (start, end, length) in zip(ids, spans, strict=True):
-        doc = tokens(sid)
-        take = end - start
-        if len(doc) != length or not 0 <= start < end <= length or take > seq_len:
-            raise LedgerError(
-                f"sample {sid} has {len(doc)} tokens now; the log packed tokens "
-                f"[{start}, {end}) of {length}: the data or the transform changed"
-            )
-        n = at % seq_len
-        if n and n + take > seq_len:  # the packer fills a sequence before it begins the next
-            raise LedgerError(
-                f"the log packs a span of {take} tokens of sample {sid} into a sequence "
-                f"with {seq_len - n} tokens left: it is not this stream's packing"
-            )
-        flat_tokens[at : at + take] = doc[start:end]
-        flat_owners[at : at + take] = sid
-        at += take
     return {"tokens": both[0], "sample_ids": both[1]}
 
 

@@ -28,7 +28,7 @@ from ledger.digest import digest_bytes
 from ledger.errors import LedgerError, SampleError
 from ledger.fetch import Failure, failure_of
 from ledger.order import rngs_preserved
-from ledger.stream.packing import PackState, Tail, assemble, span_array
+from ledger.stream.packing import PackState, Tail, assemble
 from ledger.stream.plan import EpochPlan, buffer_key
 from ledger.stream.sample import sample_loader
 from ledger.stream.shuffle import IdFeed, Piece, skip_empty
@@ -178,7 +178,7 @@ class BatchMeta:
         epoch: epoch.
         sample_ids: ``int64 (rows,)``: one per sample (no packing) or per span.
         spans: ``int64 (rows, 3)``: ``token_start, token_end, length`` per span
-            (column-major, :func:`~ledger.stream.packing.span_array`), or ``None``
+            (column-major: each column is contiguous, logged without a copy), or ``None``
             without packing.
         draws: per row, the JSON of the draws recorded for the sample (or ``None``);
             ``None`` when no row recorded any.
@@ -306,6 +306,7 @@ class WorkerRun:
         )
         # Tokens (and draws) of the samples being packed, by sample id.
         self._docs: dict[int, tuple[np.ndarray, str | None]] = {}
+        self._drew = False  # a sample pulled for the batch being made recorded draws
         if self.packing.doc is not None:
             self._open_tail(self.packing.doc)
 
@@ -336,12 +337,15 @@ class WorkerRun:
             self._failures.append((nxt[0], self._pulled - 1, item.value()))
 
     def _pull(self) -> tuple[int, int] | None:
-        nxt = self._next()
+        # Once per packed sample: the feed directly when no failure is looked for.
+        nxt = self._next() if self.skip_errors else self.feed.next()
         if nxt is None:
             return None
-        sid, (item, draws) = nxt
-        self._docs[sid] = (item, draws)
-        return sid, len(item)
+        sid, loaded = nxt
+        self._docs[sid] = loaded
+        if loaded[1] is not None:
+            self._drew = True
+        return sid, len(loaded[0])
 
     def _read(self, shard: int, row: int, stop: int) -> Iterator[list[dict[str, Any]]]:
         source = self.stream.source
@@ -412,21 +416,23 @@ class WorkerRun:
     def _sequences(self) -> tuple[BatchMeta, Any]:
         packer = self.stream.packer
         assert packer is not None
+        self._drew = False
         chosen = self.packing.pack(packer.seq_len, self.batch_size, self._pull, self._open_tail)
         docs = self._docs
-        ids = [sid for sid, _, _, _ in chosen]
-        spans = [(start, end, length) for _, start, end, length in chosen]
-        draws = [docs[sid][1] if start == 0 else None for sid, start, _, _ in chosen]
+        table = np.array(chosen, np.int64).reshape(-1, 4)  # sample id, start, end, length
+        ids = table[:, 0].tolist()
+        # A sample's draws ride with its first span; samples begun here were pulled here.
+        draws = (
+            _drawn([docs[sid][1] if start == 0 else None for sid, start, _, _ in chosen])
+            if self._drew
+            else None
+        )
         meta = BatchMeta(
-            self.worker,
-            self.epoch,
-            np.array(ids, np.int64),
-            span_array(spans),
-            _drawn(draws),
+            self.worker, self.epoch, table[:, 0].copy(), np.asfortranarray(table[:, 1:]), draws
         )
         if not chosen:
             return meta, None
-        data = assemble(packer, ids, spans, lambda sid: docs[sid][0])
+        data = assemble(packer, ids, meta.spans, lambda sid: docs[sid][0])
         doc = self.packing.doc
         kept = docs.get(doc[0]) if doc is not None else None
         docs.clear()  # only the sample in progress is still needed
