@@ -427,12 +427,11 @@ class WorkerRun:
             if self._drew
             else None
         )
-        meta = BatchMeta(
-            self.worker, self.epoch, table[:, 0].copy(), np.asfortranarray(table[:, 1:]), draws
-        )
+        spans = np.asfortranarray(table[:, 1:])  # column-major: each column contiguous
+        meta = BatchMeta(self.worker, self.epoch, table[:, 0].copy(), spans, draws)
         if not chosen:
             return meta, None
-        data = assemble(packer, ids, meta.spans, lambda sid: docs[sid][0])
+        data = assemble(packer, ids, spans, lambda sid: docs[sid][0])
         doc = self.packing.doc
         kept = docs.get(doc[0]) if doc is not None else None
         docs.clear()  # only the sample in progress is still needed
