@@ -314,9 +314,10 @@ def find_run(store: Store) -> dict[str, Any] | None:
         LogCorrupted: as :func:`read_run`.
     """
     try:
-        run = _load(store, RUN_FILE)
+        raw = store.read_bytes(RUN_FILE)
     except FileNotFoundError:
         return None
+    run = _load(store, RUN_FILE, {RUN_FILE: raw})
     where = store.full(RUN_FILE)
     require(run, "run_id", str, where)
     require(run, "created_at", str, where)
@@ -339,7 +340,51 @@ def find_run(store: Store) -> dict[str, Any] | None:
         require(packer, "seq_len", int, f"{where}, config, packer", minimum=1)
     if "mixture" in config:
         check_mixture(config["mixture"], f"{where}, config, mixture")
+    # After the fields: a mangled field is named; a well-formed edit is caught here.
+    _check_run_bytes(store, raw)
     return run
+
+
+def _check_run_bytes(store: Store, raw: bytes) -> None:
+    """``run.json``'s bytes against the SHA-256 the run's first attempt recorded when it
+    began (``attempts/0000.json``'s ``run_sha256``): ``run.json`` is created once and
+    never rewritten, so any difference is damage, and every answer read from it (the
+    dataset's length, the seed, a mixture's sources) would be silently wrong. One small
+    read, once per command. A first record that is missing, does not parse or names no
+    well-formed digest (a log begun before this check) is not compared: a damaged record
+    is :func:`read_attempt`'s to report.
+
+    Raises:
+        LogCorrupted: naming both files, if they disagree.
+    """
+    cache = command_cache()
+    key = ("run.json checked", store.uri)
+    if cache is not None and cache.get(key) == raw:
+        return
+    rel = "attempts/0000.json"
+    try:
+        record = json.loads(store.read_bytes(rel))
+    except (FileNotFoundError, ValueError, RecursionError):
+        return
+    recorded = record.get("run_sha256") if isinstance(record, dict) else None
+    if isinstance(recorded, str) and _HEX64.fullmatch(recorded) and recorded != sha256(raw):
+        raise LogCorrupted(
+            f"{store.full(RUN_FILE)} differs from the SHA-256 {store.full(rel)} recorded "
+            "when the run began: run.json is never rewritten, so it (or that record) was "
+            "changed or damaged since. Restore it from a copy of the log"
+        )
+    if cache is not None:
+        cache[key] = raw
+
+
+def run_digest(store: Store) -> str:
+    """The SHA-256 of ``run.json``'s bytes as they are on storage (what an attempt record
+    names in ``run_sha256``).
+
+    Raises:
+        FileNotFoundError: if the root holds no run.
+    """
+    return sha256(store.read_bytes(RUN_FILE))
 
 
 def check_mixture(mix: Any, where: str) -> dict[str, Any]:
@@ -420,7 +465,9 @@ def read_attempt(store: Store, name: str) -> dict[str, Any]:
 
     Returns:
         Its fields: ``attempt`` (int), ``parent`` (str or None), ``world_size`` (int),
-        ``created_at`` (str or None), ``host`` (str or None), ``pid`` (int or None).
+        ``created_at`` (str or None), ``host`` (str or None), ``pid`` (int or None),
+        ``phase`` (dict or None), ``run_sha256`` (the SHA-256 of ``run.json`` when the
+        attempt began; None in records written before it was recorded).
 
     Raises:
         LogCorrupted: naming the file and the field, if it is not a valid record.
@@ -440,6 +487,7 @@ def read_attempt(store: Store, name: str) -> dict[str, Any]:
         "host": require(a, "host", str, where, default=None, nullable=True),
         "pid": require(a, "pid", int, where, default=None, nullable=True),
         "phase": _phase(a.get("phase"), where),
+        "run_sha256": sha256_hex(a, "run_sha256", where) if "run_sha256" in a else None,
     }
 
 
@@ -462,7 +510,11 @@ def _phase(phase: Any, where: str) -> dict[str, Any] | None:
 
 
 def claim_attempt(
-    store: Store, parent: str | None, world_size: int, phase: dict[str, Any] | None = None
+    store: Store,
+    parent: str | None,
+    world_size: int,
+    phase: dict[str, Any] | None = None,
+    run_sha256: str | None = None,
 ) -> int:
     """Claim the next attempt number by creating ``attempts/<A>.json`` exclusively.
 
@@ -474,6 +526,8 @@ def claim_attempt(
             (>= 1), ``config`` (the loader's configuration in the phase), ``start`` (the
             global position where it began), ``base`` (what each mixture source had
             been given before it) and ``previous`` (the same of the phase before).
+        run_sha256: the SHA-256 of ``run.json``'s bytes (:func:`run_digest`), recorded so
+            that readers can tell a damaged ``run.json`` (:func:`find_run`).
 
     Returns:
         The attempt number: one more than the largest existing one (0 for a new run).
@@ -492,6 +546,8 @@ def claim_attempt(
         }
         if phase is not None:
             record["phase"] = phase
+        if run_sha256 is not None:
+            record["run_sha256"] = run_sha256
         try:
             store.create_exclusive(f"attempts/{attempt:04d}.json", _dump(record))
             return attempt

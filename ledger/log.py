@@ -23,6 +23,7 @@ from ledger.commits import (
     now_iso,
     open_run,
     read_commit,
+    run_digest,
     write_commit,
 )
 from ledger.dist import Group
@@ -176,7 +177,11 @@ class Ledger:
             raise LedgerError("Ledger.open(config) must be called before Ledger.start()")
         if self.rank == 0:
             attempt = claim_attempt(
-                self.store, parent.id if parent else None, self.world_size, self.phase
+                self.store,
+                parent.id if parent else None,
+                self.world_size,
+                self.phase,
+                run_digest(self.store),
             )
         self.attempt = int(self.group.broadcast(attempt if self.rank == 0 else None))
         self.head = parent

@@ -133,7 +133,7 @@ def _loader(shards: str, root: str, workers: int) -> ledger.DataLoader:
 
 
 def test_a_new_run_records_its_dealing_and_an_unknown_one_is_refused(tmp_path):
-    from conftest import text_shards
+    from conftest import rewrite_run, text_shards
 
     shards = text_shards(tmp_path / "shards", 4, 3, "x", 2)
     root = str(tmp_path / "log")
@@ -142,11 +142,9 @@ def test_a_new_run_records_its_dealing_and_an_unknown_one_is_refused(tmp_path):
     token = loader.state_dict()
     loader.close()
     with open(os.path.join(root, "run.json")) as f:
-        run = json.load(f)
-    assert run["config"]["carry"] == CARRY_ALGORITHM
-    run["config"]["carry"] = "spiral-v9"
-    with open(os.path.join(root, "run.json"), "w") as f:
-        json.dump(run, f)
+        assert json.load(f)["config"]["carry"] == CARRY_ALGORITHM
+    # A log begun by a later ledger, with a dealing this one does not know.
+    rewrite_run(root, lambda run: run["config"].update(carry="spiral-v9"))
     resumed = _loader(shards, root, 2)
     with pytest.raises(ConfigMismatch, match="'spiral-v9', which this version of ledger"):
         resumed.load_state_dict(token)

@@ -138,15 +138,11 @@ def test_audit_reports_shares_and_fails_a_log_that_is_not_the_mixture(root) -> N
     out = runner.invoke(main, ["audit", root, "--check", "mixture"])
     assert out.exit_code == 0, out.output
     # The same events under a configuration that claims other weights: the check fails.
-    import json
-    import os
+    from conftest import rewrite_run
 
-    path = os.path.join(root, "run.json")
-    with open(path) as f:
-        run = json.load(f)
-    run["config"]["mixture"]["targets"] = [{"code": 0.8, "prose": 0.2}]
-    with open(path, "w") as f:
-        json.dump(run, f)
+    rewrite_run(
+        root, lambda run: run["config"]["mixture"].update(targets=[{"code": 0.8, "prose": 0.2}])
+    )
     out = runner.invoke(main, ["audit", root, "--check", "mixture"])
     assert out.exit_code == CHECK_FAILED, out.output
     assert "off target" in out.output

@@ -175,15 +175,12 @@ def test_realised_shares_equal_the_ground_truth_and_audit_passes(sources, root) 
 
 def test_audit_fails_a_stream_mixture_whose_shares_are_off(sources, root) -> None:
     """The check can fail: a log whose config claims other weights than it served."""
-    import json
+    from conftest import rewrite_run
 
     served(loader(sources, root, True, 0), 60)
-    path = os.path.join(root, "run.json")
-    with open(path) as f:
-        run = json.load(f)
-    run["config"]["mixture"]["targets"] = [{"code": 0.1, "prose": 0.9}]
-    with open(path, "w") as f:
-        json.dump(run, f)
+    rewrite_run(
+        root, lambda run: run["config"]["mixture"].update(targets=[{"code": 0.1, "prose": 0.9}])
+    )
     out = CliRunner().invoke(main, ["audit", root, "--check", "mixture"])
     assert out.exit_code != 0, out.output
     assert "off target" in out.output

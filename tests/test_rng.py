@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -179,13 +176,13 @@ def test_per_sample_rng_is_the_older_spelling_and_old_logs_resume(root):
     list(take(loader, 2))
     token = loader.state_dict()
     # A log written before the RNG modes records per_sample_rng in run.json.
-    path = os.path.join(root, "run.json")
-    with open(path) as f:
-        run = json.load(f)
-    del run["config"]["rng"]
-    run["config"]["per_sample_rng"] = True
-    with open(path, "w") as f:
-        json.dump(run, f)
+    from conftest import rewrite_run
+
+    def older(run: dict) -> None:
+        del run["config"]["rng"]
+        run["config"]["per_sample_rng"] = True
+
+    rewrite_run(root, older, begun_before=True)
     resumed = make(rng="sample")
     resumed.load_state_dict(token)
     for a, b in zip(list(take(resumed, 2)), expected[2:], strict=True):

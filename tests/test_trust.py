@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from conftest import Augmented
+from conftest import Augmented, rewrite_run
 
 import ledger
 from ledger.audit import summarize
@@ -458,7 +458,9 @@ def test_a_mangled_source_fingerprint_is_named_on_resume(tmp_path, source, named
     loader = make()
     list(take(loader, 1))
     token = loader.state_dict()
-    _set(root, "run.json", ("config", "source"), source)
+    # A log begun before attempt records named run.json's SHA-256 (with it, any edit of
+    # run.json is refused first: test_an_edited_run_json_is_refused_by_every_reader).
+    rewrite_run(root, lambda run: run["config"].update(source=source), begun_before=True)
     with pytest.raises(LogCorrupted, match=r"run\.json, config, source") as e:
         make().load_state_dict(token)
     assert named in str(e.value)
@@ -753,3 +755,55 @@ def test_a_mangled_mixture_config_is_named(mixture_log, tmp_path, keys, value, n
         assert result.exit_code == 1, result.output
         assert "run.json, config, mixture" in result.stderr, result.stderr
         assert named in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("dataset_len", 25), ("seed", 4), ("shuffle", False), ("batch_size", 4)],
+)
+def test_an_edited_run_json_is_refused_by_every_reader(pristine, tmp_path, key, value):
+    """``run.json`` is created once and never rewritten; each attempt record names its
+    SHA-256. A well-formed edit (another dataset length, seed, ...) would make the
+    audits answer for another run, silently: every reader refuses it, naming both files,
+    and ``verify`` fails. Before: ``audit`` and ``report`` exit 0 with other coverage."""
+    import hashlib
+
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    with open(os.path.join(root, "run.json"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    records = sorted(Path(root, "attempts").glob("*.json"))
+    assert records and all(json.loads(r.read_text())["run_sha256"] == digest for r in records)
+    assert _cli("audit", root).exit_code == 0
+    _set(root, "run.json", ("config", key), value)
+    named = "run.json differs from the SHA-256"
+    gate = _cli("audit", root, "--check", "coverage", "--format", "csv")
+    assert gate.exit_code == 3 and named in gate.output, gate.output  # the gate fails
+    for args in (
+        ["audit", root],
+        ["where", root, "--sample", "1"],
+        ["show", root, "--batch", "1"],
+        ["report", root, "--out", str(tmp_path / "r.html")],
+    ):
+        result = _cli(*args)
+        assert result.exit_code == 1, (args, result.output)
+        assert named in result.stderr and "attempts/0000.json" in result.stderr, result.stderr
+    verified = _cli("verify", root, "--format", "csv")
+    assert verified.exit_code == 3 and named in verified.output, verified.output
+    with pytest.raises(LogCorrupted, match=named):  # a loader starting on the root
+        next(iter(ledger.DataLoader(Augmented(N), batch_size=BATCH, seed=3, log=root)))
+
+
+def test_verify_names_an_attempt_record_of_another_run_json(pristine, tmp_path):
+    """A later attempt's record naming another SHA-256 of run.json is found by verify."""
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    record = json.loads(Path(root, "attempts/0000.json").read_text())
+    record.update(attempt=1, parent="000000000004-0000")
+    Path(root, "attempts/0001.json").write_text(json.dumps(record))
+    assert _cli("verify", root).exit_code == 0  # a resume's record, as a loader writes it
+    _set(root, "attempts/0001.json", ("run_sha256",), "0" * 64)
+    verified = _cli("verify", root, "--format", "csv")
+    assert verified.exit_code == 3, verified.output
+    assert "attempts/0001.json recorded when that attempt began" in verified.output
+    assert _cli("audit", root).exit_code == 0  # readers compare the first record only

@@ -20,6 +20,7 @@ from ledger.audit.names import ALL_CHECKS, CHECKS
 from ledger.audit.scan import Progress, ScanResult, scan_segments, segment_jobs
 from ledger.commits import (
     ATTEMPT_NAME,
+    RUN_FILE,
     Commit,
     default_head,
     lineage,
@@ -29,6 +30,7 @@ from ledger.commits import (
     read_attempt,
     read_commit,
     read_run,
+    run_digest,
 )
 from ledger.compaction import catalogued
 from ledger.errors import LogCorrupted
@@ -351,8 +353,9 @@ class Verification:
 
 @parsing_once
 def _check_attempts(store: Store, commits: list[Commit]) -> list[str]:
-    """Every attempt record parses; the ones whose parent is no commit of the log, and
-    the attempts that committed without a record.
+    """Every attempt record parses and names the SHA-256 ``run.json`` has (if it names
+    one); the ones whose parent is no commit of the log, and the attempts that committed
+    without a record.
 
     A loader claims its attempt's record (:func:`ledger.commits.claim_attempt`) before it
     writes anything, so an attempt with commits and no record lost it afterwards: the
@@ -364,18 +367,27 @@ def _check_attempts(store: Store, commits: list[Commit]) -> list[str]:
         the commits whose parent is missing).
 
     Raises:
-        LogCorrupted: naming the record and the field, if one does not parse.
+        LogCorrupted: naming the record and the field, if one does not parse, or naming
+            ``run.json`` and the record, if they disagree.
     """
     ids = {c.id for c in commits}
     problems = []
     recorded: set[int] = set()
+    digest = run_digest(store)
     for name in store.ls("attempts"):
         if not ATTEMPT_NAME.match(name):
             continue  # a stray file, ignored by every reader
         try:
-            parent = read_attempt(store, name)["parent"]
+            record = read_attempt(store, name)
         except FileNotFoundError:
             continue  # removed since the listing
+        if record["run_sha256"] not in (None, digest):
+            raise LogCorrupted(
+                f"{store.full(RUN_FILE)} differs from the SHA-256 "
+                f"{store.full(f'attempts/{name}')} recorded when that attempt began: "
+                "run.json is never rewritten, so it (or that record) was changed or damaged"
+            )
+        parent = record["parent"]
         recorded.add(int(name[: -len(".json")]))
         if parent is not None and parent not in ids:
             problems.append(
