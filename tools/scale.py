@@ -69,6 +69,7 @@ from ledger.commits import (
     open_run,
     read_commit,
     read_run,
+    run_digest,
     write_commit,
 )
 from ledger.compaction import compact
@@ -117,7 +118,7 @@ def build(root: str, commits: int, world: int, batch: int, batches_per_commit: i
     token."""
     store = Store(root)
     run_id = open_run(store, loader(root, batch).config)
-    claim_attempt(store, None, world)  # attempt 0, as a loader claims it
+    claim_attempt(store, None, world, run_sha256=run_digest(store))  # as a loader does
     orders = EpochOrder(N, SEED, 0, True)
     plans = [BatchPlan(N, batch, False, r, world) for r in range(world)]
     parent = None
@@ -220,7 +221,7 @@ def build_stream(root: str, stream: Stream, world: int) -> tuple[dict, np.ndarra
     """
     store = Store(root)
     run_id = open_run(store, stream_loader(root, stream, 0, world).config)
-    claim_attempt(store, None, world)  # attempt 0, as a loader claims it
+    claim_attempt(store, None, world, run_sha256=run_digest(store))  # as a loader does
     size = stream.shuffle_buffer
     plan = EpochPlan(stream.source, SEED, 0, True, world, WORKERS)
     rng = np.random.default_rng(world)
@@ -414,6 +415,11 @@ def forget_dealing(root: str) -> None:
     run = read_run(store)
     del run["config"]["carry"]
     store.write_atomic(RUN_FILE, json.dumps(run, indent=1, sort_keys=True).encode())
+    # Attempt records of then named no SHA-256 of run.json either.
+    for name in store.ls("attempts"):
+        record = json.loads(store.read_bytes(f"attempts/{name}"))
+        record.pop("run_sha256", None)
+        store.write_atomic(f"attempts/{name}", json.dumps(record).encode())
 
 
 def elastic_streams(
