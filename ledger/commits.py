@@ -368,13 +368,19 @@ def _check_run_bytes(store: Store, raw: bytes) -> None:
         return
     recorded = record.get("run_sha256") if isinstance(record, dict) else None
     if isinstance(recorded, str) and _HEX64.fullmatch(recorded) and recorded != sha256(raw):
-        raise LogCorrupted(
-            f"{store.full(RUN_FILE)} differs from the SHA-256 {store.full(rel)} recorded "
-            "when the run began: run.json is never rewritten, so it (or that record) was "
-            "changed or damaged since. Restore it from a copy of the log"
-        )
+        raise run_changed(store, rel)
     if cache is not None:
         cache[key] = raw
+
+
+def run_changed(store: Store, record: str) -> LogCorrupted:
+    """The error for a ``run.json`` whose SHA-256 differs from the one the attempt record
+    ``record`` (a path relative to the root) names."""
+    return LogCorrupted(
+        f"{store.full(RUN_FILE)} differs from the SHA-256 {store.full(record)} recorded "
+        "when its attempt began: run.json is never rewritten, so it (or that record) was "
+        "changed or damaged since. Restore it from a copy of the log"
+    )
 
 
 def run_digest(store: Store) -> str:

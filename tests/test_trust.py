@@ -805,5 +805,5 @@ def test_verify_names_an_attempt_record_of_another_run_json(pristine, tmp_path):
     _set(root, "attempts/0001.json", ("run_sha256",), "0" * 64)
     verified = _cli("verify", root, "--format", "csv")
     assert verified.exit_code == 3, verified.output
-    assert "attempts/0001.json recorded when that attempt began" in verified.output
+    assert "attempts/0001.json recorded when its attempt began" in verified.output
     assert _cli("audit", root).exit_code == 0  # readers compare the first record only

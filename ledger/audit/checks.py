@@ -20,7 +20,6 @@ from ledger.audit.names import ALL_CHECKS, CHECKS
 from ledger.audit.scan import Progress, ScanResult, scan_segments, segment_jobs
 from ledger.commits import (
     ATTEMPT_NAME,
-    RUN_FILE,
     Commit,
     default_head,
     lineage,
@@ -30,6 +29,7 @@ from ledger.commits import (
     read_attempt,
     read_commit,
     read_run,
+    run_changed,
     run_digest,
 )
 from ledger.compaction import catalogued
@@ -382,11 +382,7 @@ def _check_attempts(store: Store, commits: list[Commit]) -> list[str]:
         except FileNotFoundError:
             continue  # removed since the listing
         if record["run_sha256"] not in (None, digest):
-            raise LogCorrupted(
-                f"{store.full(RUN_FILE)} differs from the SHA-256 "
-                f"{store.full(f'attempts/{name}')} recorded when that attempt began: "
-                "run.json is never rewritten, so it (or that record) was changed or damaged"
-            )
+            raise run_changed(store, f"attempts/{name}")
         parent = record["parent"]
         recorded.add(int(name[: -len(".json")]))
         if parent is not None and parent not in ids:
