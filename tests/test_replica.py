@@ -429,3 +429,35 @@ def test_assemble_names_the_first_span_that_is_not_this_packing():
         assemble(packer, [1, 1], [(0, 5, 5), (0, 5, 5)], docs.__getitem__)
     with pytest.raises(LedgerError, match=r"packed tokens \[2, 2\) of 6"):
         assemble(packer, [3], [(2, 2, 6)], docs.__getitem__)
+
+
+@pytest.mark.parametrize("layout", ["none", "column-major", "row-major", "empty"])
+def test_a_batch_meta_crosses_the_result_queue_as_it_was_made(layout: str) -> None:
+    """A worker's BatchMeta is pickled (torch's result queue) through its own reduce: the
+    same fields, int64 arrays the main process may write to, spans column-major."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    rows = 0 if layout == "empty" else 9
+    spans = {
+        "none": None,
+        "column-major": np.asfortranarray(np.arange(27, dtype=np.int64).reshape(9, 3)),
+        "row-major": np.arange(27, dtype=np.int64).reshape(9, 3),
+        "empty": np.zeros((0, 3), np.int64),
+    }[layout]
+    ids = np.arange(rows, dtype=np.int64) * 7 + 2**40
+    draws = [None, '{"a": 1}'] + [None] * (rows - 2) if rows else None
+    failures = [(5, 1, '{"type": "E", "message": "m"}')]
+    meta = BatchMeta(3, 2, ids, spans, draws, b"\x01" * 32, failures, 11)
+    back = pickle.loads(bytes(ForkingPickler.dumps(meta, pickle.HIGHEST_PROTOCOL)))
+    assert (back.worker, back.epoch, back.draws, back.digest, back.failures, back.pulled) == (
+        meta.worker, meta.epoch, meta.draws, meta.digest, meta.failures, meta.pulled
+    )  # fmt: skip
+    assert back.sample_ids.dtype == np.int64 and back.sample_ids.tolist() == ids.tolist()
+    assert back.sample_ids.flags.writeable
+    if spans is None:
+        assert back.spans is None
+    else:
+        assert back.spans.dtype == np.int64 and back.spans.shape == spans.shape
+        assert back.spans.tolist() == spans.tolist()
+        assert back.spans.flags.f_contiguous and back.spans.flags.writeable

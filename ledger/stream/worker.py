@@ -200,6 +200,47 @@ class BatchMeta:
     failures: list[tuple[int, int, str]] | None = None
     pulled: int = 0
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # A worker's meta crosses torch's result queue pickled with every batch; numpy's
+        # own reduce of the two arrays costs ~15 µs in the worker and ~7 µs in the main
+        # process more than their bytes (a packed batch of ~190 spans). A bytearray
+        # unpickles writable, as the arrays were.
+        spans = self.spans
+        return _meta_of, (
+            self.worker,
+            self.epoch,
+            bytearray(np.ascontiguousarray(self.sample_ids, np.int64)),
+            None if spans is None else bytearray(np.ascontiguousarray(spans.T, np.int64)),
+            self.draws,
+            self.digest,
+            self.failures,
+            self.pulled,
+        )
+
+
+def _meta_of(
+    worker: int,
+    epoch: int,
+    ids: bytearray,
+    spans: bytearray | None,
+    draws: list[str | None] | None,
+    digest: bytes | None,
+    failures: list[tuple[int, int, str]] | None,
+    pulled: int,
+) -> BatchMeta:
+    """The :class:`BatchMeta` :meth:`BatchMeta.__reduce__` took apart; its spans
+    column-major, as a worker makes them."""
+    return BatchMeta(
+        worker,
+        epoch,
+        np.frombuffer(ids, np.int64),
+        None if spans is None else np.frombuffer(spans, np.int64).reshape(3, -1).T,
+        draws,
+        digest,
+        failures,
+        pulled,
+    )
+
 
 def carry_failures(
     make: Callable[[], tuple[BatchMeta, Any] | None],
