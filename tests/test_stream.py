@@ -401,3 +401,16 @@ def test_packed_item_is_its_token_ids_then_eos(item):
     tokens = _with_eos(item, 9, 3)
     assert tokens.dtype == np.int64 and tokens.ndim == 1
     assert tokens.tolist() == want
+
+
+def test_a_list_of_exact_integers_is_its_tokens_whatever_numpy_would_promote_it_to():
+    """Python ints with numpy integer scalars (np.uint64: numpy promotes the list to
+    float64) are token ids as they are; a value beyond int64 is refused."""
+    from ledger.errors import UnsupportedArgument
+    from ledger.stream.sample import _with_eos
+
+    tokens = _with_eos([1, np.uint64(2**63 - 1), np.int8(-3)], 9, 3)
+    assert tokens.dtype == np.int64 and tokens.tolist() == [1, 2**63 - 1, -3, 9]
+    assert tokens.flags.writeable
+    with pytest.raises(UnsupportedArgument):
+        _with_eos([1, np.uint64(2**63)], 9, 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -120,18 +121,26 @@ def sample_loader(
 def _with_eos(item: Any, eos: int, sid: int) -> np.ndarray:
     """A packed sample's tokens: :func:`token_ids` of ``item``, then ``eos`` (``int64``).
 
+    A list led by a Python ``int`` whose every element is an integer within int64 (an
+    ``int``, or any object with ``__index__``, such as a numpy integer scalar) is taken
+    as it is, also where numpy's promotion would have made the list float (Python ints
+    with an ``np.uint64`` scalar) and :func:`token_ids` refuses it.
+
     Raises:
         UnsupportedArgument: as :func:`token_ids`.
     """
     if type(item) is list and item and type(item[0]) is int:
-        # The common case, in one conversion (~3 µs less for 100 tokens). A list led by
-        # an int converts to int64 with the EOS exactly when it does without it.
+        # The common case, in one conversion: a C ``long long`` array takes only integers
+        # (``__index__``: no float, string or None) within int64, so it cannot truncate,
+        # and it needs no dtype discovery over the elements (~1.5 µs less for 90 tokens
+        # than ``np.array`` of the list, ~0.3 ms per packed batch of ~180 samples).
         try:
-            tokens = np.array([*item, eos])
-        except ValueError:  # nested lists: flattened by token_ids
-            tokens = None
-        if tokens is not None and tokens.dtype == np.int64 and tokens.ndim == 1:
-            return tokens
+            held = array("q", item)
+        except (TypeError, OverflowError):  # nested lists, floats, ...: token_ids says
+            pass
+        else:
+            held.append(eos)
+            return np.frombuffer(held, np.int64)
     flat = token_ids(item, sid)
     tokens = np.empty(flat.size + 1, np.int64)
     tokens[:-1] = flat
