@@ -3,12 +3,13 @@ ledger on, counted by valgrind's callgrind instead of timed.
 
 On a shared 2-core machine the wall-clock ratios of ``tools/bench.py`` move by 10-30%
 between runs, and the processes' CPU seconds by as much (the machine's speed moves within
-the hour). The instructions an epoch executes do not: two runs of the same epoch agree
-to well under 0.1%. Each case runs one epoch of each loader under callgrind at two sizes
-(N and 2N samples, or 2 and 4 shards); per batch is the difference of the totals divided
-by the difference of the batches, for the main process and for its workers (summed), so
-the imports, the loader's construction and the workers' start-up (a worker's count
-includes its parent's before the fork) drop out.
+the hour). The instructions an epoch executes barely do: three runs of one script (a packed
+epoch of 65 batches in process) counted 8,179.5, 8,180.7 and 8,182.8 M instructions,
+within 0.2% of the epoch's own ~1,592 M. Each case runs one epoch of each loader under
+callgrind at two sizes (N and 2N samples, or 2 and 4 shards); per batch is the
+difference of the totals divided by the difference of the batches, for the main process
+and for its workers (summed), so the imports, the loader's construction and the workers'
+start-up (a worker's count includes its parent's before the fork) drop out.
 
 Cases (``--cases``, default all):
 
@@ -29,7 +30,7 @@ runs its generic code there, ~55 instructions per byte; the column "without libc
 leaves those out (on the real CPU the digest of a packed batch of 128 KiB takes ~0.1 ms).
 
 Needs ``valgrind`` on the PATH (Debian: ``apt-get install valgrind``). Each epoch runs
-~50x slower under it: all four cases take 20-30 minutes on 2 cores (two at a time).
+~50x slower under it: all four cases took 27 minutes on 2 cores (two at a time).
 
 Example:
     python tools/bench_instructions.py --cases map-2w packed-0w
