@@ -3,13 +3,17 @@
 Three measurements, each printed as a table of ratios (no assertions; wall-clock numbers
 belong in a report, never in a test):
 
-1. Throughput: batches/s over one full epoch of a trivial map-style dataset
-   (``dataset[i] == i``), best of R repeats, with the loaders' repeats interleaved (and
-   their order rotated) so that drift of the machine hits every loader alike. Every loader
-   is constructed, iterated for one epoch and, where it can checkpoint, asked for its
-   ``state_dict()`` once, all inside the timed region. The ledger loaders log to a fresh
-   root each repeat: with the default arguments (``rng="batch"``, digest on), with
-   per-sample seeding (``rng="sample"``), and bare (``rng="off", digest=False``).
+1. Throughput: batches/s over full epochs of a trivial map-style dataset
+   (``dataset[i] == i``), R epochs of every loader run in lockstep (``tools/lockstep.py``:
+   all loaders alive at once, taking turns of 0.1 s, 0.5 s with workers, the order
+   rotating), so that every loader is timed under the same conditions as the others:
+   this machine's speed moves by up to 2x within minutes, which epochs timed one loader at
+   a time cannot separate from a few percent (``--sequential``: best of R such epochs,
+   repeats interleaved and their order rotated). Every loader is constructed, iterated for
+   one epoch and, where it can checkpoint, asked for its ``state_dict()`` once, all inside
+   its timed turns. The ledger loaders log to a fresh root each repeat: with the default
+   arguments (``rng="batch"``, digest on), with per-sample seeding (``rng="sample"``), and
+   bare (``rng="off", digest=False``).
    1b: the same for a HF ``datasets.Dataset`` of 50,000 rows in torch format (fetched
    through its ``__getitems__`` by both loaders). Then a ``ledger.stream.Stream`` against
    the same reading by a plain ``IterableDataset`` (``tools/bench_stream.py``), and the
@@ -60,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_stream
+import lockstep
 import numpy as np
 import torch
 import torch.utils.data as tud
@@ -112,6 +117,7 @@ class Config:
     seed: int
     quick: bool = False
     hf: bool = False
+    sequential: bool = False
 
 
 class Roots:
@@ -205,7 +211,9 @@ def _epoch_seconds(make: Callable[[], Any]) -> tuple[float, int]:
 
 
 def throughput(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, int], float]:
-    """Best-of-R batches/s of every loader and worker count, repeats interleaved."""
+    """Batches/s of every loader and worker count: R lockstep epochs (every loader alive at
+    once, in turns, :mod:`lockstep`), their batches over their seconds; with
+    ``cfg.sequential``, best of R epochs timed one loader at a time, repeats interleaved."""
     factories = _factories()
     if cfg.hf:  # the per-sample option is the same batched fetch for HF datasets
         factories.pop(LEDGER_SAMPLE)
@@ -218,9 +226,21 @@ def throughput(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, i
         for make, _ in factories.values():
             _epoch_seconds(partial(make, tiny, nw, roots.new()))
     for nw in cfg.workers:
+        totals = {name: lockstep.Timed() for name in names}
         for r in range(cfg.repeats):
             # Rotate the order so that no loader always runs first (cold caches, turbo).
-            for name in names[r % len(names) :] + names[: r % len(names)]:
+            rotated = names[r % len(names) :] + names[: r % len(names)]
+            if not cfg.sequential:
+                makes = {n: partial(factories[n][0], cfg, nw, roots.new()) for n in rotated}
+                for name, timed in lockstep.lockstep(makes, lockstep.turn(nw)).items():
+                    totals[name].batches += timed.batches
+                    totals[name].seconds += timed.seconds
+                    console.print(
+                        f"throughput nw={nw} lockstep {r + 1}/{cfg.repeats} {name}: "
+                        f"{timed.rate:,.0f} b/s ({timed.turns} turns)"
+                    )
+                continue
+            for name in rotated:
                 make, logs = factories[name]
                 root = roots.new()
                 secs, batches = _epoch_seconds(partial(make, cfg, nw, root))
@@ -231,13 +251,15 @@ def throughput(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, i
                 )
                 if logs:
                     shutil.rmtree(root, ignore_errors=True)
+        if not cfg.sequential:
+            best.update({(name, nw): timed.rate for name, timed in totals.items()})
     return best
 
 
 def throughput_table(cfg: Config, best: dict[tuple[str, int], float], title: str) -> Table:
     t = Table(
         title=f"{title}: one epoch, N={cfg.n:,}, batch {cfg.batch_size}, shuffle, "
-        f"best of {cfg.repeats}"
+        + (f"best of {cfg.repeats}" if cfg.sequential else f"{cfg.repeats} lockstep epochs")
     )
     for col in (
         "loader",
@@ -746,6 +768,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None, str |
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--repeats", type=int, help="throughput repeats per loader (default 3)")
     p.add_argument("--ttfb-repeats", type=int, help="TTFB repeats (default 7)")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="throughput as best of R epochs each timed alone (repeats interleaved) instead "
+        "of R lockstep epochs (tools/lockstep.py)",
+    )
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     p.add_argument("--bytes-n", type=int, default=1_000_000, help="dataset length for 3")
     p.add_argument("--commit-every", type=int, default=1000, help="batches between commits in 3")
@@ -788,6 +816,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None, str |
         commit_every=a.commit_every,
         seed=a.seed,
         quick=a.quick,
+        sequential=a.sequential,
     )
     return cfg, a.tmpdir, only
 
@@ -838,7 +867,7 @@ def stream_only(cfg: Config, tmpdir: str | None, console: Console) -> None:
         stream_main, stream_us = bench_stream.main_process_work(paths, roots.base, 8)
         console.print(stream_main)
         stream_tp, stream = bench_stream.throughput(
-            paths, list(cfg.workers), cfg.repeats, roots.base, console
+            paths, list(cfg.workers), cfg.repeats, roots.base, console, cfg.sequential
         )
     finally:
         roots.cleanup()
@@ -900,7 +929,7 @@ def main(argv: list[str] | None = None) -> None:
         paths = bench_stream.make_shards(roots.base, *((8, 5000) if cfg.quick else (16, 10_000)))
         stream_main, stream_us = bench_stream.main_process_work(paths, roots.base, 8)
         stream_tp, stream = bench_stream.throughput(
-            paths, list(cfg.workers), cfg.repeats, roots.base, console
+            paths, list(cfg.workers), cfg.repeats, roots.base, console, cfg.sequential
         )
     finally:
         roots.cleanup()

@@ -6,8 +6,10 @@ Three measurements, printed as tables of ratios measured in one run (no assertio
    shards (shuffle buffer 1,000; without and with packing) under ``ledger.DataLoader``,
    against :class:`PlainStream`, an ``IterableDataset`` that reads the same shards row
    group by row group, applies the same transform, shuffles through a buffer of the same
-   size (``random.Random``) and packs the same way, under torch's DataLoader. Best of R,
-   repeats interleaved.
+   size (``random.Random``) and packs the same way, under torch's DataLoader. R epochs of
+   both in lockstep (``tools/lockstep.py``: both alive at once, taking turns of 0.1 s,
+   0.5 s with workers), their batches over their seconds; ``--sequential``: best of R
+   epochs each timed alone, repeats interleaved.
 2. CPU seconds per epoch at 0 workers (``time.process_time``), plain against ledger:
    what the reading costs, less sensitive to other load than throughput.
 3. Main-process work per batch: the batches a stream's workers produce are collected
@@ -33,6 +35,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import lockstep
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -167,12 +170,18 @@ def _epoch(make: Any) -> tuple[float, int]:
 
 
 def throughput(
-    paths: list[str], workers: list[int], repeats: int, tmp: str, con: Console
+    paths: list[str],
+    workers: list[int],
+    repeats: int,
+    tmp: str,
+    con: Console,
+    sequential: bool = False,
 ) -> tuple[Table, dict[tuple[bool, int], float]]:
-    """The table, and ledger's ratio to the plain stream by (packing, workers)."""
-    t = Table(
-        title=f"Stream throughput, default arguments, shuffle buffer {BUFFER}, best of {repeats}"
-    )
+    """The table, and ledger's ratio to the plain stream by (packing, workers): R epochs of
+    both run in lockstep (``tools/lockstep.py``), batches over seconds; with
+    ``sequential``, best of R epochs each timed alone, repeats interleaved."""
+    how = f"best of {repeats}" if sequential else f"{repeats} lockstep epochs"
+    t = Table(title=f"Stream throughput, default arguments, shuffle buffer {BUFFER}, {how}")
     for col in ("packing", "workers", "plain IterableDataset b/s", "ledger Stream b/s", "ratio"):
         t.add_column(col, justify="left" if col == "packing" else "right")
     count = 0
@@ -194,22 +203,35 @@ def throughput(
                     _stream(paths, packed), batch_size=bs, shuffle=True, log=root, num_workers=nw
                 )
 
-            best = {"plain": 0.0, "ledger": 0.0}
+            rate = {"plain": 0.0, "ledger": 0.0}
+            totals = {"plain": lockstep.Timed(), "ledger": lockstep.Timed()}
             for r in range(repeats):
                 pair = [("plain", plain), ("ledger", ours)]
-                for name, make in pair if r % 2 == 0 else pair[::-1]:
+                pair = pair if r % 2 == 0 else pair[::-1]
+                if not sequential:
+                    for name, timed in lockstep.lockstep(dict(pair), lockstep.turn(nw)).items():
+                        totals[name].batches += timed.batches
+                        totals[name].seconds += timed.seconds
+                        con.print(
+                            f"stream packed={packed} nw={nw} lockstep {r + 1} {name}: "
+                            f"{timed.rate:,.0f} b/s ({timed.turns} turns)"
+                        )
+                    continue
+                for name, make in pair:
                     secs, n = _epoch(make)
-                    best[name] = max(best[name], n / secs)
+                    rate[name] = max(rate[name], n / secs)
                     con.print(
                         f"stream packed={packed} nw={nw} rep {r + 1} {name}: {n / secs:,.0f} b/s"
                     )
-            ratios[packed, nw] = best["ledger"] / best["plain"]
+            if not sequential:
+                rate = {name: timed.rate for name, timed in totals.items()}
+            ratios[packed, nw] = rate["ledger"] / rate["plain"]
             t.add_row(
                 "on" if packed else "off",
                 str(nw),
-                f"{best['plain']:,.1f}",
-                f"{best['ledger']:,.1f}",
-                f"{best['ledger'] / best['plain']:.3f}",
+                f"{rate['plain']:,.1f}",
+                f"{rate['ledger']:,.1f}",
+                f"{rate['ledger'] / rate['plain']:.3f}",
             )
     return t, ratios
 
@@ -344,6 +366,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, default=10_000, help="rows per shard")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="throughput as best of R epochs each timed alone instead of in lockstep",
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.shards, a.rows, a.repeats = 8, 5000, 2
@@ -353,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         paths = make_shards(tmp, a.shards, a.rows)
         con.print(main_process_work(paths, tmp, 8)[0])
         con.print(cpu_per_epoch(paths, a.repeats, tmp)[0])
-        con.print(throughput(paths, a.workers, a.repeats, tmp, con)[0])
+        con.print(throughput(paths, a.workers, a.repeats, tmp, con, a.sequential)[0])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     con.print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
