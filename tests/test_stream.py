@@ -411,6 +411,22 @@ def test_a_list_of_exact_integers_is_its_tokens_whatever_numpy_would_promote_it_
 
     tokens = _with_eos([1, np.uint64(2**63 - 1), np.int8(-3)], 9, 3)
     assert tokens.dtype == np.int64 and tokens.tolist() == [1, 2**63 - 1, -3, 9]
-    assert tokens.flags.writeable
     with pytest.raises(UnsupportedArgument):
         _with_eos([1, np.uint64(2**63)], 9, 3)
+
+
+@pytest.mark.parametrize("item", [[5, 6, 7], np.arange(4), np.arange(8)[::2], (1, 2), [[1], [2]]])
+def test_a_packed_sample_holds_nothing_the_garbage_collector_tracks(item):
+    """A packed sample waits in the shuffle buffer: no object the cyclic collector
+    tracks (array.array, memoryview) lives on with its tokens and swells the oldest
+    generation (full collections walk the whole process)."""
+    import gc
+
+    from ledger.stream.sample import _with_eos
+
+    tokens = _with_eos(item, 9, 3)
+    held: object = tokens
+    while held is not None:  # the array and what it keeps alive: its base, and so on
+        assert not gc.is_tracked(held), type(held)
+        held = getattr(held, "base", None)
+    assert tokens.tolist() == [*np.asarray(item).reshape(-1).tolist(), 9]
