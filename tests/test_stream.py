@@ -65,6 +65,27 @@ def test_source_ids_are_global_row_numbers(shards):
     assert [r["id"] for r in source.iter_shard(3, 1)] == [16, 17, 18]
 
 
+def test_a_shard_is_streamed_in_small_blocks_of_its_rows_in_order(tmp_path, monkeypatch):
+    """Rows become Python objects a block of at most _BLOCK_ROWS at a time (rows made a
+    whole row group at once outlived collections and set off full ones), the same rows
+    in the same order from any start, across row groups and JSONL requests."""
+    import ledger.stream.source as source_module
+
+    monkeypatch.setattr(source_module, "_JSONL_BLOCK", 300)  # a request of 300 lines
+    rows = [{"id": i, "text": f"row {i}", "v": [i, -i]} for i in range(1000)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet", row_group_size=300)
+    with open(tmp_path / "b.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    limit = source_module._BLOCK_ROWS
+    for name in ("a.parquet", "b.jsonl"):
+        source = ShardedSource(str(tmp_path / name))
+        for start in (0, 1, limit - 1, limit, 299, 300, 301, 999):
+            blocks = list(source.iter_blocks(0, start))
+            assert all(0 < len(b) <= limit for b in blocks), (name, start)
+            assert [r for b in blocks for r in b] == rows[start:], (name, start)
+        assert source.read([999, 0, 300]) == [rows[999], rows[0], rows[300]]
+
+
 @pytest.mark.parametrize("num_workers", [0, 1, 2])
 @pytest.mark.parametrize("buffer", [0, 5])
 @pytest.mark.parametrize("packing", [False, True])

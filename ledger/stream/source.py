@@ -29,6 +29,13 @@ from ledger.store import Files, Store
 from ledger.validate import require
 
 _JSONL_BLOCK = 1024  # lines read per request when streaming a JSONL shard
+_BLOCK_ROWS = 128
+"""Rows made Python objects at a time when streaming (a Parquet row group is decoded
+whole, then converted a slice at a time; a JSONL request's lines parsed a slice at a
+time). A row's dict and lists are objects Python's cyclic garbage collector tracks;
+made a whole row group (~10^3 rows) at once and held until the block is consumed, they
+lived through collections, reached the oldest generation and set off full collections
+of the process. A slice's rows are loaded (transformed) soon after they are made."""
 
 ROW_GROUP_HASH = "xxh3-128"
 """Hash of a row group's digest (:meth:`ShardedSource.record_digests`), also the suffix
@@ -210,9 +217,10 @@ class ShardedSource:
             yield from block
 
     def iter_blocks(self, shard: int, start_row: int = 0) -> Iterator[list[dict[str, Any]]]:
-        """:meth:`iter_shard` a block at a time: lists of consecutive rows (a Parquet row
-        group, or up to 1,024 JSONL lines), the first from ``start_row``; no block is
-        empty. What the workers read, so per-row work stays out of the reading.
+        """:meth:`iter_shard` a block at a time: lists of at most :data:`_BLOCK_ROWS`
+        consecutive rows (of one Parquet row group, decoded whole, or of one request of
+        up to 1,024 JSONL lines), the first from ``start_row``; no block is empty. What
+        the workers read, so per-row work stays out of the reading.
 
         Raises:
             ConfigMismatch: if a row group's content differs from when the run first
@@ -225,19 +233,21 @@ class ShardedSource:
             with self._files.open(path) as f:
                 pf = pq.ParquetFile(f)
                 for g in range(max(first, 0), pf.num_row_groups):
-                    rows = self._checked(shard, g, pf.read_row_group(g, columns=self.columns))
+                    table = pf.read_row_group(g, columns=self.columns)
+                    self._check_table(shard, g, table)
                     skip = start_row - int(starts[g]) if g == first else 0
-                    if skip < len(rows):
-                        yield rows[skip:] if skip else rows
-                    # Hold no block while the next one is decoded: the garbage collector
-                    # runs while its rows are made, and would find the last block alive,
-                    # move its rows to the old generation and collect that more often.
-                    del rows
+                    for lo in range(skip, table.num_rows, _BLOCK_ROWS):
+                        # Hold no block while the next one is made: the garbage collector
+                        # runs while its rows are made, and would find the last block
+                        # alive and move its rows to an older generation.
+                        yield table.slice(lo, _BLOCK_ROWS).to_pylist()
         else:
             lines = self._lines[shard]
             for lo in range(start_row, len(lines) - 1, _JSONL_BLOCK):
                 hi = min(lo + _JSONL_BLOCK, len(lines) - 1)
-                yield self._jsonl_rows(shard, lo, hi)
+                data = self._files.read_range(path, int(lines[lo]), int(lines[hi]))
+                for a in range(lo, hi, _BLOCK_ROWS):
+                    yield self._jsonl_parse(shard, data, lo, a, min(a + _BLOCK_ROWS, hi))
 
     def read(self, sample_ids: Sequence[int] | np.ndarray) -> list[dict[str, Any]]:
         """Rows by sample id, in the order given (random access).
@@ -287,10 +297,13 @@ class ShardedSource:
         self._known = {}
 
     def _checked(self, shard: int, g: int, table: pa.Table) -> list[dict[str, Any]]:
+        self._check_table(shard, g, table)
+        return table.to_pylist()
+
+    def _check_table(self, shard: int, g: int, table: pa.Table) -> None:
         store = self._digests
         if store is not None:
             self._check_digest(store, shard, g, table)
-        return table.to_pylist()
 
     def _check_digest(self, store: Store, shard: int, g: int, table: pa.Table) -> None:
         # The Arrow IPC stream of the decoded rows: deterministic for equal content.
@@ -335,7 +348,15 @@ class ShardedSource:
     def _jsonl_rows(self, shard: int, lo: int, hi: int) -> list[dict[str, Any]]:
         lines = self._lines[shard]
         data = self._files.read_range(self._files.paths[shard], int(lines[lo]), int(lines[hi]))
-        base = int(lines[lo])
+        return self._jsonl_parse(shard, data, lo, lo, hi)
+
+    def _jsonl_parse(
+        self, shard: int, data: bytes, at: int, lo: int, hi: int
+    ) -> list[dict[str, Any]]:
+        """Lines ``lo <= i < hi`` of JSONL shard ``shard`` as rows, from ``data``: the
+        shard's bytes from the start of line ``at`` on."""
+        lines = self._lines[shard]
+        base = int(lines[at])
         rows = []
         for i in range(lo, hi):
             try:
