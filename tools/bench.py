@@ -232,13 +232,15 @@ def throughput(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, i
             rotated = names[r % len(names) :] + names[: r % len(names)]
             if not cfg.sequential:
                 makes = {n: partial(factories[n][0], cfg, nw, roots.new()) for n in rotated}
-                for name, timed in lockstep.lockstep(makes, lockstep.turn(nw)).items():
-                    totals[name].batches += timed.batches
-                    totals[name].seconds += timed.seconds
-                    console.print(
+                lockstep.add_epoch(
+                    totals,
+                    makes,
+                    nw,
+                    lambda name, t, r=r, nw=nw: console.print(
                         f"throughput nw={nw} lockstep {r + 1}/{cfg.repeats} {name}: "
-                        f"{timed.rate:,.0f} b/s ({timed.turns} turns)"
-                    )
+                        f"{t.rate:,.0f} b/s ({t.turns} turns)"
+                    ),
+                )
                 continue
             for name in rotated:
                 make, logs = factories[name]

@@ -209,13 +209,15 @@ def throughput(
                 pair = [("plain", plain), ("ledger", ours)]
                 pair = pair if r % 2 == 0 else pair[::-1]
                 if not sequential:
-                    for name, timed in lockstep.lockstep(dict(pair), lockstep.turn(nw)).items():
-                        totals[name].batches += timed.batches
-                        totals[name].seconds += timed.seconds
-                        con.print(
+                    lockstep.add_epoch(
+                        totals,
+                        dict(pair),
+                        nw,
+                        lambda name, t, r=r, nw=nw, packed=packed: con.print(
                             f"stream packed={packed} nw={nw} lockstep {r + 1} {name}: "
-                            f"{timed.rate:,.0f} b/s ({timed.turns} turns)"
-                        )
+                            f"{t.rate:,.0f} b/s ({t.turns} turns)"
+                        ),
+                    )
                     continue
                 for name, make in pair:
                     secs, n = _epoch(make)

@@ -51,6 +51,22 @@ class Timed:
         return self.batches / self.seconds if self.seconds else 0.0
 
 
+def add_epoch(
+    totals: dict[str, Timed],
+    makes: Mapping[str, Callable[[], Iterable[Any]]],
+    num_workers: int,
+    say: Callable[[str, Timed], None],
+) -> None:
+    """One :func:`lockstep` epoch of ``makes`` (turns of :func:`turn` seconds) added to
+    ``totals``; ``say(name, timed)`` is called with each loader's epoch."""
+    for name, timed in lockstep(makes, turn(num_workers)).items():
+        total = totals[name]
+        total.batches += timed.batches
+        total.seconds += timed.seconds
+        total.turns += timed.turns
+        say(name, timed)
+
+
 def turn(num_workers: int) -> float:
     """The turn's length in seconds for loaders with ``num_workers`` workers."""
     return 0.1 if num_workers == 0 else 0.5
