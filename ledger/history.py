@@ -18,6 +18,7 @@ for them :func:`read_history` returns ``None`` and callers take the object path.
 from __future__ import annotations
 
 import binascii
+import contextvars
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ import pyarrow.compute as pc
 
 from ledger.commits import COMMIT_NAME, Commit, command_cache, read_commits
 from ledger.errors import LogCorrupted
-from ledger.store import Store
+from ledger.store import Store, background
 
 HEAD = 26
 """Leading columns of a rank row that hold the state and the segments (ledger.ranks)."""
@@ -284,8 +285,15 @@ def read_history(store: Store) -> History | None:
     if cache is not None and key in cache:
         return cache[key]
     parts: list[History] = []
+    # The compactions' catalogs are read, hashed and decoded on a background thread
+    # while ``commits/`` is listed (both release the GIL for most of their time): for a
+    # compacted history of 10^4 commits, ~13 ms of the two become ~8 ms of wall time
+    # here. The thread shares this command's cache (the context's variables).
+    catalogs = background("catalog").submit(
+        contextvars.copy_context().run, catalog_tables, store, HISTORY_COLUMNS
+    )
     rest = _marker_names(store.ls("commits", ordered=False))
-    for table in catalog_tables(store, HISTORY_COLUMNS):
+    for table in catalogs.result():
         if not len(rest):
             break
         at = pc.index_in(rest, value_set=table["id"]).fill_null(-1).to_numpy()

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from ledger.errors import LedgerError, LogCorrupted
 from ledger.schema import EVENT_SCHEMA, EventChunk, chunks_to_table
-from ledger.store import Fetched, Store, sha256
+from ledger.store import Fetched, Store, background, sha256
 
 ROW_GROUP_ROWS = 1 << 16
 """Rows per Parquet row group: the unit encoded in the background, and read on resume."""
@@ -273,7 +273,8 @@ class CheckedLater:
         self.rows = rows
         self.checksum = checksum
         self._data: Future[bytes | pa.Table | None] = Future()
-        self._hash = _hasher().submit(self._read_and_hash if keep else self._hash_mapped)
+        work = self._read_and_hash if keep else self._hash_mapped
+        self._hash = background("checksum").submit(work)
 
     def _hash_mapped(self) -> str | None:
         path = self.store.local_path(self.rel)
@@ -352,9 +353,6 @@ class CheckedLater:
         self._data.result()
 
 
-_HASHER: tuple[int, ThreadPoolExecutor] | None = None
-
-
 def open_events(
     store: Store,
     rel: str,
@@ -381,15 +379,6 @@ def open_events(
     if checksum is not None:
         _check_checksum(store, rel, sha256(data), checksum)
     return _parse(store, rel, data, rows)
-
-
-def _hasher() -> ThreadPoolExecutor:
-    """One thread for checksums in the background, per process (a forked child does not
-    inherit the parent's thread, so it makes its own)."""
-    global _HASHER
-    if _HASHER is None or _HASHER[0] != os.getpid():
-        _HASHER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="ledger-checksum"))
-    return _HASHER[1]
 
 
 def _read(

@@ -31,6 +31,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, TypeVar
 
 import fsspec
@@ -76,6 +77,22 @@ def _read_local(path: str) -> bytes:
             return head + f.read()
     finally:
         os.close(fd)
+
+
+_BACKGROUND: dict[str, tuple[int, ThreadPoolExecutor]] = {}
+
+
+def background(name: str) -> ThreadPoolExecutor:
+    """The process's one background thread called ``name``, for reads and checksums that
+    overlap with the caller's work (hashlib, file reads and Arrow's decoders release the
+    GIL). A forked child does not inherit its parent's threads, so it makes its own. A
+    task must not wait for another task of the same thread (there is one).
+    """
+    made = _BACKGROUND.get(name)
+    if made is None or made[0] != os.getpid():
+        made = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix=f"ledger-{name}"))
+        _BACKGROUND[name] = made
+    return made[1]
 
 
 def sha256(data: bytes) -> str:
