@@ -287,8 +287,8 @@ def read_history(store: Store) -> History | None:
     parts: list[History] = []
     # The compactions' catalogs are read, hashed and decoded on a background thread
     # while ``commits/`` is listed (both release the GIL for most of their time): for a
-    # compacted history of 10^4 commits, ~13 ms of the two become ~8 ms of wall time
-    # here. The thread shares this command's cache (the context's variables).
+    # compacted history of 10^4 commits, this function's wall-clock median 21 -> 12 ms.
+    # The thread shares this command's cache (the context's variables).
     catalogs = background("catalog").submit(
         contextvars.copy_context().run, catalog_tables, store, HISTORY_COLUMNS
     )

@@ -431,3 +431,23 @@ def test_a_map_style_batch_is_journaled_as_a_count_of_its_orders_positions(tmp_p
     monkeypatch.setattr(journal_module, "_COUNTED_IDS", 600)
     bounded = parse_journal(data)
     assert bounded.unreadable == 1 and len(bounded.chunks) == 2
+
+
+def test_a_background_thread_is_one_per_name_and_per_process(monkeypatch):
+    """``ledger.store.background``: the same executor for a name within a process, another
+    for another name, and a new one in a forked child (which inherits no threads)."""
+    import threading
+
+    from ledger.store import background
+
+    checksum = background("checksum")
+    assert background("checksum") is checksum
+    catalog = background("catalog")
+    assert catalog is not checksum
+    names = {
+        pool.submit(lambda: threading.current_thread().name).result()
+        for pool in (checksum, catalog)
+    }
+    assert {name.rsplit("_", 1)[0] for name in names} == {"ledger-checksum", "ledger-catalog"}
+    monkeypatch.setattr(os, "getpid", lambda: -1)  # what a forked child's pid looks like here
+    assert background("checksum") is not checksum
