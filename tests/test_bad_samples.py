@@ -408,3 +408,85 @@ def test_a_stream_with_bad_samples_resumes_elastically(tmp_path, stream_shards, 
         .fetchall()
     )
     assert [s for (s,) in errors] == sorted(STREAM_BAD)  # every bad one once
+
+
+def _damaged_shards(tmp_path, stream_shards):
+    """The rows of ``stream_shards`` with the lines of ``STREAM_BAD`` damaged (a torn
+    object, a JSON list, bytes that are not UTF-8) instead of transforms that raise."""
+    d = tmp_path / "damaged"
+    d.mkdir()
+    damage = [b'{"id": 1, "text": "torn', b"[1, 2]", b"\xff\xfe"]
+    for k, path in enumerate(sorted((tmp_path / "shards").iterdir())):
+        lines = path.read_bytes().splitlines()
+        for i, line in enumerate(lines):
+            if json.loads(line)["id"] in STREAM_BAD:
+                lines[i] = damage[(k + i) % len(damage)]
+        (d / path.name).write_bytes(b"\n".join(lines) + b"\n")
+    return str(d)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_jsonl_line_that_is_no_json_object_is_a_bad_sample_under_skip(
+    tmp_path, stream_shards, workers, packing
+):
+    """With ``on_error="skip"`` a damaged JSONL line fails its sample's loading like a
+    transform that raises: left out, logged as an ``error`` event whose value is the
+    DataError naming the file, the line and the sample id, and every resume is exact;
+    with the default ``on_error="raise"`` it stops the run with that DataError."""
+    from ledger.errors import DataError
+    from ledger.stream import Packer, ShardedSource, Stream
+
+    shards = _damaged_shards(tmp_path, stream_shards)
+
+    def item(record, ctx):
+        return {"id": torch.tensor(record["id"]), "n": torch.tensor(len(record["text"]))}
+
+    def make(log: str, **kw) -> ledger.DataLoader:
+        stream = Stream(
+            ShardedSource(f"{shards}/*"),
+            transform=_tokens_of_all if packing else item,
+            shuffle_buffer=5,
+            packer=Packer(seq_len=8) if packing else None,
+        )
+        return ledger.DataLoader(
+            stream, batch_size=3, shuffle=True, seed=5, log=log, num_workers=workers, **kw
+        )
+
+    root = str(tmp_path / "log")
+    loader = make(root, on_error="skip")
+    batches = list(loader)
+    loader.state_dict()
+    served = [i for b in batches for i in _served_ids(b, packing)]
+    good = set(range(STREAM_ROWS)) - STREAM_BAD
+    assert set(served) == good
+    if not packing:
+        assert len(served) == len(good)
+    rows = (
+        connect(root)
+        .sql("select sample_id, value from lineage where kind = 'error' order by sample_id")
+        .fetchall()
+    )
+    assert [s for s, _ in rows] == sorted(STREAM_BAD)
+    for sid, value in rows:
+        failure = json.loads(value)
+        assert failure["type"] == "ledger.errors.DataError"
+        assert f"(sample id {sid}) is " in failure["message"]
+        assert "a JSONL shard holds one JSON object per line" in failure["message"]
+    # The same stream with transforms that raise for those rows serves the same batches.
+    twin = ledger.DataLoader(
+        _flaky_stream(stream_shards, packing, buffer=5), batch_size=3, shuffle=True, seed=5,
+        log=str(tmp_path / "twin"), num_workers=workers, on_error="skip",
+    )  # fmt: skip
+    if packing:  # the twin's transform is _stream_transform: the same tokens and draws
+        assert batches_equal(batches, list(twin))
+    else:
+        assert [b["id"].tolist() for b in batches] == [b["id"].tolist() for b in twin]
+    resumed = assert_resume_exact(
+        lambda: make(str(tmp_path / "resumed"), on_error="skip", verify_data=True),
+        batches=len(batches) + 4,
+        every=2,
+    )
+    assert resumed == (len(batches) + 4) // 2
+    with pytest.raises(DataError, match=r"line \d+ \(sample id \d+\) is "):
+        list(make(str(tmp_path / "raise")))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import fsspec.registry  # noqa: F401  (the module, patched below)
@@ -29,6 +30,7 @@ from ledger.errors import (
 )
 from ledger.store import Store
 from ledger.stream import Packer, ShardedSource, Stream
+from ledger.stream.source import BadRecord
 from ledger.testing import take
 
 
@@ -390,6 +392,13 @@ def test_a_jsonl_line_that_is_no_json_object_is_named(tmp_path, root, line, matc
     assert source.read([0, 1]) == [{"text": "x"}, {"text": "y"}]
     with pytest.raises(DataError, match="part-0.jsonl, " + match):
         source.read([2])
+    # A stream's workers read with strict=False: the line is a BadRecord in its place,
+    # which fails that sample's loading (on_error="skip" skips it).
+    bad = source.read([1, 2], strict=False)
+    assert bad[0] == {"text": "y"} and isinstance(bad[1], BadRecord)
+    assert re.search("part-0.jsonl, " + match, bad[1].message)
+    (block,) = source.iter_blocks(0, 1, strict=False)
+    assert block[0] == {"text": "y"} and block[1] == bad[1]
     loader = ledger.DataLoader(Stream(source), batch_size=1, seed=0, log=root)
     with pytest.raises(DataError, match="part-0.jsonl, " + match):
         list(loader)

@@ -208,14 +208,14 @@ def test_resume_rereads_only_the_buffer_and_one_row_group(shards, root, monkeypa
     reads = []
     real_iter, real_read = _Source.iter_blocks, _Source.read
 
-    def counting_iter(self, shard, start_row=0):
-        for block in real_iter(self, shard, start_row):  # the rows of each block read
+    def counting_iter(self, shard, start_row=0, **kw):
+        for block in real_iter(self, shard, start_row, **kw):  # the rows of each block read
             reads.extend(("stream", shard) for _ in block)
             yield block
 
-    def counting_read(self, ids):
+    def counting_read(self, ids, **kw):
         reads.extend(("random", int(i)) for i in ids)
-        return real_read(self, ids)
+        return real_read(self, ids, **kw)
 
     monkeypatch.setattr(_Source, "iter_blocks", counting_iter)
     monkeypatch.setattr(_Source, "read", counting_read)

@@ -323,7 +323,8 @@ class LaneFeed:
         self.skip_errors = skip_errors
         self.epoch = epoch
         source = self.stream.source
-        payloads = [self._load(i, r) for i, r in zip(buffer, source.read(buffer), strict=True)]
+        records = source.read(buffer, strict=False)
+        payloads = [self._load(i, r) for i, r in zip(buffer, records, strict=True)]
         self.feed = self._feed(pieces, state, buffer, payloads)
 
     def _feed(
@@ -362,8 +363,8 @@ class LaneFeed:
     def _read(self, shard: int, row: int, stop: int) -> Iterator[list[dict[str, Any]]]:
         source = self.stream.source
         if stop - row == 1:  # a single row (e.g. a carried buffer slot): random access
-            return iter([source.read([int(source.offsets[shard]) + row])])
-        return source.iter_blocks(shard, row)
+            return iter([source.read([int(source.offsets[shard]) + row], strict=False)])
+        return source.iter_blocks(shard, row, strict=False)
 
     def next(self) -> tuple[int, Any]:
         """The lane's next ``(row id, (item, draws))``, rolling over source epochs."""

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ledger.errors import LedgerError, UnsupportedArgument
+from ledger.errors import DataError, LedgerError, UnsupportedArgument
 from ledger.order import rngs_preserved, sample_seed, seed_globals
 from ledger.stream.packing import assemble
+from ledger.stream.source import BadRecord
 
 if TYPE_CHECKING:
     from ledger.stream.spec import Stream
@@ -83,6 +84,8 @@ def sample_loader(
     spare: list[SampleContext] = []  # a context no one holds, for the next row
 
     def load(sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
+        if type(record) is BadRecord:  # a JSONL line that is not a JSON object
+            raise DataError(record.message)
         if per_sample_rng:
             s = sample_seed(seed, epoch, sid)
             seed_globals(s)

@@ -73,6 +73,22 @@ class FileInfo:
     digest: str
 
 
+@dataclass(frozen=True, slots=True)
+class BadRecord:
+    """A JSONL line that is not a JSON object, in the place of its row, where a reader
+    asked for them with ``strict=False`` (a stream's workers): the sample fails to load
+    when it is transformed (:func:`ledger.stream.sample.sample_loader` raises
+    :attr:`error`), so ``on_error="skip"`` leaves it out and logs it like any sample
+    whose loading raised, and ``on_error="raise"`` stops the run with the same error.
+
+    Attributes:
+        message: the :class:`~ledger.errors.DataError`'s message, naming the file, the
+            line and the sample id.
+    """
+
+    message: str
+
+
 def checked_fingerprint(logged: Any, where: str = "run.json, config, source") -> list[Any]:
     """A source's fingerprint as a log recorded it (:meth:`ShardedSource.fingerprint`),
     checked: a list of objects with ``path`` (str), ``size`` and ``rows`` (integers >= 0)
@@ -107,7 +123,9 @@ class ShardedSource:
         UnsupportedArgument: if a file is neither Parquet nor JSONL, or a ``.parquet``
             file has no readable footer.
         DataError: when rows are read, for a JSONL line that is not a JSON object (the
-            message names the file, the line and the sample id).
+            message names the file, the line and the sample id); a stream's workers read
+            with ``strict=False`` and get a :class:`BadRecord` there, which fails that
+            sample's loading (``on_error="skip"`` skips it).
 
     Note:
         Construction reads every Parquet footer and every JSONL file once (to count and
@@ -216,15 +234,24 @@ class ShardedSource:
         for block in self.iter_blocks(shard, start_row):
             yield from block
 
-    def iter_blocks(self, shard: int, start_row: int = 0) -> Iterator[list[dict[str, Any]]]:
+    def iter_blocks(
+        self, shard: int, start_row: int = 0, *, strict: bool = True
+    ) -> Iterator[list[Any]]:
         """:meth:`iter_shard` a block at a time: lists of at most :data:`_BLOCK_ROWS`
         consecutive rows (of one Parquet row group, decoded whole, or of one request of
         up to 1,024 JSONL lines), the first from ``start_row``; no block is empty. What
         the workers read, so per-row work stays out of the reading.
 
+        Args:
+            shard: index of the shard in :attr:`files`.
+            start_row: the shard's row to start from.
+            strict: ``False``: a JSONL line that is not a JSON object is a
+                :class:`BadRecord` in its row's place instead of an error.
+
         Raises:
             ConfigMismatch: if a row group's content differs from when the run first
                 read it (with :meth:`record_digests`).
+            DataError: (``strict``) for a JSONL line that is not a JSON object.
         """
         path = self._files.paths[shard]
         if path.endswith(".parquet"):
@@ -247,16 +274,24 @@ class ShardedSource:
                 hi = min(lo + _JSONL_BLOCK, len(lines) - 1)
                 data = self._files.read_range(path, int(lines[lo]), int(lines[hi]))
                 for a in range(lo, hi, _BLOCK_ROWS):
-                    yield self._jsonl_parse(shard, data, lo, a, min(a + _BLOCK_ROWS, hi))
+                    yield self._jsonl_parse(
+                        shard, data, lo, a, min(a + _BLOCK_ROWS, hi), strict=strict
+                    )
 
-    def read(self, sample_ids: Sequence[int] | np.ndarray) -> list[dict[str, Any]]:
+    def read(self, sample_ids: Sequence[int] | np.ndarray, *, strict: bool = True) -> list[Any]:
         """Rows by sample id, in the order given (random access).
 
         Reads one Parquet row group (or one JSONL line range) per group of ids that
         share it; the last row group read is cached.
 
+        Args:
+            sample_ids: the rows' global numbers.
+            strict: ``False``: a JSONL line that is not a JSON object is a
+                :class:`BadRecord` in its row's place instead of an error.
+
         Raises:
             IndexError: if an id is outside ``[0, num_rows)``.
+            DataError: (``strict``) for a JSONL line that is not a JSON object.
         """
         ids = np.asarray(sample_ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_rows):
@@ -264,10 +299,10 @@ class ShardedSource:
         shards, rows = self.locate(ids)
         out: list[dict[str, Any]] = []
         for shard, row in zip(shards.tolist(), rows.tolist(), strict=True):
-            out.append(self._row(shard, row))
+            out.append(self._row(shard, row, strict))
         return out
 
-    def _row(self, shard: int, row: int) -> dict[str, Any]:
+    def _row(self, shard: int, row: int, strict: bool = True) -> Any:
         path = self._files.paths[shard]
         if path.endswith(".parquet"):
             starts = self._row_groups[shard]
@@ -277,7 +312,7 @@ class ShardedSource:
                     table = pq.ParquetFile(f).read_row_group(g, columns=self.columns)
                 self._cache = (shard, g, self._checked(shard, g, table))
             return self._cache[2][row - int(starts[g])]
-        return self._jsonl_rows(shard, row, row + 1)[0]
+        return self._jsonl_rows(shard, row, row + 1, strict)[0]
 
     def record_digests(self, store: Store | None, under: str = "data/rowgroups") -> None:
         """Record each Parquet row group's digest (:data:`ROW_GROUP_HASH` of its decoded
@@ -345,36 +380,43 @@ class ShardedSource:
         except CommitConflict:  # another worker or rank recorded it first
             return ROW_GROUP_HASH, _text(store.read_bytes(f"{base}.{ROW_GROUP_HASH}"))
 
-    def _jsonl_rows(self, shard: int, lo: int, hi: int) -> list[dict[str, Any]]:
+    def _jsonl_rows(self, shard: int, lo: int, hi: int, strict: bool = True) -> list[Any]:
         lines = self._lines[shard]
         data = self._files.read_range(self._files.paths[shard], int(lines[lo]), int(lines[hi]))
-        return self._jsonl_parse(shard, data, lo, lo, hi)
+        return self._jsonl_parse(shard, data, lo, lo, hi, strict=strict)
 
     def _jsonl_parse(
-        self, shard: int, data: bytes, at: int, lo: int, hi: int
-    ) -> list[dict[str, Any]]:
+        self, shard: int, data: bytes, at: int, lo: int, hi: int, *, strict: bool = True
+    ) -> list[Any]:
         """Lines ``lo <= i < hi`` of JSONL shard ``shard`` as rows, from ``data``: the
-        shard's bytes from the start of line ``at`` on."""
+        shard's bytes from the start of line ``at`` on; a line that is not a JSON object
+        raises its :class:`DataError` (``strict``) or is a :class:`BadRecord`."""
         lines = self._lines[shard]
         base = int(lines[at])
-        rows = []
+        rows: list[Any] = []
         for i in range(lo, hi):
             try:
                 row = json.loads(data[int(lines[i]) - base : int(lines[i + 1]) - base])
             except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
                 why = getattr(e, "msg", e)  # JSONDecodeError's position is the slice's
-                raise self._bad_line(shard, i, f"is not JSON ({why})") from e
-            if not isinstance(row, dict):
-                raise self._bad_line(shard, i, f"is a JSON {type(row).__name__}, not an object")
+                if strict:
+                    raise DataError(self._bad_line(shard, i, f"is not JSON ({why})")) from e
+                row = BadRecord(self._bad_line(shard, i, f"is not JSON ({why})"))
+            if not isinstance(row, (dict, BadRecord)):
+                what = self._bad_line(shard, i, f"is a JSON {type(row).__name__}, not an object")
+                if strict:
+                    raise DataError(what)
+                row = BadRecord(what)
             rows.append(row)
         return rows
 
-    def _bad_line(self, shard: int, row: int, what: str) -> DataError:
-        """The error for row ``row`` of JSONL shard ``shard``, naming its line number."""
+    def _bad_line(self, shard: int, row: int, what: str) -> str:
+        """The error's message for row ``row`` of JSONL shard ``shard``, naming its line
+        number."""
         path = self._files.paths[shard]
         start = int(self._lines[shard][row])
         line = self._files.read_range(path, 0, start).count(b"\n") + 1 if start else 1
-        return DataError(
+        return (
             f"{path}, line {line} (sample id {int(self.offsets[shard]) + row}) {what}: "
             "a JSONL shard holds one JSON object per line"
         )

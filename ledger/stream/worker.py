@@ -328,7 +328,8 @@ class WorkerRun:
         self.per_sample_rng = per_sample_rng
         source = stream.source
         self._load_sample = sample_loader(stream, seed, plan.epoch, per_sample_rng)
-        payloads = [self._load(s, r) for s, r in zip(buffer, source.read(buffer), strict=True)]
+        records = source.read(buffer, strict=False)
+        payloads = [self._load(s, r) for s, r in zip(buffer, records, strict=True)]
         self.feed = Feed(
             source,
             plan.pieces(rank, worker),
@@ -391,8 +392,8 @@ class WorkerRun:
     def _read(self, shard: int, row: int, stop: int) -> Iterator[list[dict[str, Any]]]:
         source = self.stream.source
         if stop - row == 1:  # a single row (e.g. a carried buffer slot): random access
-            return iter([source.read([int(source.offsets[shard]) + row])])
-        return source.iter_blocks(shard, row)
+            return iter([source.read([int(source.offsets[shard]) + row], strict=False)])
+        return source.iter_blocks(shard, row, strict=False)
 
     def _load(self, sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
         """``(item, draws)``; with ``skip_errors``, ``(Failure, None)`` if it raised."""
