@@ -402,12 +402,11 @@ class DataLoader:
         """Serve the rest of the current epoch (a whole epoch after the previous ended)."""
         self._ensure_started()
         self._skip_due()
+        batches = self._pipeline.begin(self._state)  # may refuse (a changed dataset)
         self._generation += 1
         generation = self._generation
         self._iter_epoch = self._state.epoch
-        return preemption.at_batch_boundaries(
-            self._serve(self._pipeline.begin(self._state), generation)
-        )
+        return preemption.at_batch_boundaries(self._serve(batches, generation))
 
     def _check_generation(self, generation: int) -> None:
         if generation != self._generation:

@@ -34,7 +34,7 @@ import torch.utils.data as tud
 
 from ledger.commits import Commit, PipelineState
 from ledger.digest import digest_bytes
-from ledger.errors import LedgerError, SampleError, UnsupportedArgument
+from ledger.errors import ConfigMismatch, LedgerError, SampleError, UnsupportedArgument
 from ledger.fetch import Failure, RngMode, batch_getter, load_batch, load_in_loop
 from ledger.journal import JournalOrder
 from ledger.order import BatchPlan, EpochOrder, batch_seeds
@@ -405,6 +405,24 @@ class MapPipeline:
         return ahead[1]
 
     def begin(self, state: PipelineState) -> Iterable[tuple[Any, Any]]:
+        """Start serving from ``state``.
+
+        Raises:
+            ConfigMismatch: if ``len(dataset)`` is no longer the length the run started
+                with (``dataset_len``): every epoch's order is a permutation of that
+                length, so a dataset that grew or shrank would have samples never served
+                or served twice (torch's samplers take ``len()`` anew each epoch).
+        """
+        n = dataset_len(self.dataset)
+        if n != self.plan.n:
+            raise ConfigMismatch(
+                "dataset_len",
+                self.plan.n,
+                n,
+                "The dataset's length changed during the run: every epoch is a permutation "
+                "of the length the run started with. Restore the dataset, or start a new run "
+                "under a new log root.",
+            )
         self.start = state
         self.inflight.clear()
         if self.settings.num_workers == 0:

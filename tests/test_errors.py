@@ -424,3 +424,23 @@ def test_a_getitems_returning_another_number_of_items_is_refused(root):
     loader = ledger.DataLoader(_Batched(8), batch_size=2, seed=0, log=root)
     with pytest.raises(UnsupportedArgument, match="__getitems__ returned 1 items for 2 ids"):
         list(take(loader, 1))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_whose_length_changes_during_the_run_is_refused(root, workers):
+    """Every epoch is a permutation of the length the run started with: a dataset that
+    grew between epochs would leave its new samples out without a word (torch's samplers
+    take len() anew each epoch), so the next iter(loader) refuses it; with the original
+    length back the run goes on, and its log covers every epoch exactly."""
+    data = _Len(10)
+    loader = ledger.DataLoader(
+        data, batch_size=4, shuffle=True, seed=3, log=root, num_workers=workers
+    )
+    first = [i for b in loader for i in b.tolist()]
+    assert sorted(first) == list(range(10))
+    data.n = 12
+    with pytest.raises(ConfigMismatch, match=r"dataset_len=10, this loader has dataset_len=12"):
+        iter(loader)
+    data.n = 10
+    second = [i for b in loader for i in b.tolist()]
+    assert sorted(second) == list(range(10)) and second != first
