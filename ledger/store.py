@@ -404,7 +404,12 @@ class Store:
                 final = self.local_path(rel)
                 assert final is not None
                 tmp = self._write_tmp(final, data)
-                os.replace(tmp, final)
+                try:
+                    os.replace(tmp, final)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    raise
                 self._fsync_dir(os.path.dirname(final))
             else:
                 self.fs.pipe_file(self.full(rel), data)
@@ -646,8 +651,14 @@ class Store:
                 view = view[os.write(fd, view) :]
             if durable:
                 os.fsync(fd)
-        finally:
+        except BaseException:
+            # A full disk (ENOSPC) or a quota fails mid-write: take back the partial file,
+            # which would hold the space a retry needs.
             os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
         return tmp
 
     @staticmethod

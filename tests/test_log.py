@@ -303,6 +303,48 @@ def test_failed_commit_keeps_its_events_and_the_retry_loses_nothing(root, monkey
     assert ids == [i for b in consumed for i in b]
 
 
+def test_a_full_disk_fails_a_commit_cleanly_and_the_retry_resumes_exactly(root, monkeypatch):
+    """ENOSPC in the middle of a segment's write: StorageError, no partial temporary file
+    left to hold the space a retry needs, nothing committed lost; once there is space the
+    retried commit holds every batch and resumes exactly."""
+    import errno
+
+    from ledger import store as store_module
+    from ledger.errors import StorageError
+
+    def make():
+        return ledger.DataLoader(Augmented(40), batch_size=4, shuffle=True, seed=1, log=root)
+
+    loader = make()
+    consumed = [b["id"].tolist() for b in take(loader, 2)]
+    first = loader.state_dict()
+    consumed += [b["id"].tolist() for b in take(loader, 2)]
+    real_write = os.write
+    written = []
+
+    def full_disk(fd, data):  # the first chunk lands, then the device is full
+        if written:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(len(data))
+        return real_write(fd, bytes(data)[: max(1, len(data) // 2)])
+
+    monkeypatch.setattr(store_module.os, "write", full_disk)
+    with pytest.raises(StorageError, match="No space left on device; nothing was replaced"):
+        loader.state_dict()
+    monkeypatch.setattr(store_module.os, "write", real_write)
+    leftovers = [f for _, _, fs in os.walk(root) for f in fs if f.startswith(".tmp-")]
+    assert leftovers == []
+    assert [c.id for c in list_commits(Store(root))] == [first["commit"]]
+    token = loader.state_dict()
+    assert token["step"] == 4
+    ids = [e["sample_id"] for e in _events(root) if e["kind"] == "sample"]
+    assert ids == [i for b in consumed for i in b]
+    after = [b["id"].tolist() for b in take(loader, 3)]
+    resumed = make()
+    resumed.load_state_dict(token)
+    assert [b["id"].tolist() for b in take(resumed, 3)] == after
+
+
 def test_resume_from_a_segment_of_many_row_groups(root):
     from ledger.segments import ROW_GROUP_ROWS
 
