@@ -9,7 +9,10 @@ are its epoch's order at consecutive positions, are recorded as their count and 
 order's parameters (a record of ~70 bytes instead of 8 per sample), from which the reader
 computes them. Records reach the OS page cache
 before the batch is handed to the training loop: they survive SIGKILL, but not a power
-loss (no fsync per batch). The journal is always a local file, also for an object-store
+loss (no fsync per batch). A write that fails or falls short (a full disk) raises
+:class:`~ledger.errors.StorageError` after cutting the file back to its whole records;
+:class:`ledger.log.Ledger` then warns and goes on (commits do not read the journal).
+The journal is always a local file, also for an object-store
 root (:func:`ledger.log.default_journal_dir`): the next attempt of the rank uploads it to
 ``ROOT/journal/`` if it holds uncommitted batches.
 
@@ -39,15 +42,19 @@ no checksums) are still read.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import struct
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import msgpack
 import numpy as np
 
+from ledger.errors import StorageError
 from ledger.order import EpochOrder
 from ledger.schema import DIGEST_BYTES, KINDS, ORDER_ALGORITHM, SAMPLE, SPAN, EventChunk
 
@@ -65,6 +72,7 @@ _JOURNAL_ORDER = "feistel-ff1-splitmix64-r6-v1"
 made): a later order would come with a new journal version."""
 _FRAME = struct.Struct("<4sII")
 _FRAME_MAGIC = b"\xffLJ\xfe"
+_IOV_MAX = 1024  # buffers one writev(2) takes (POSIX's IOV_MAX on Linux and macOS)
 _MAX_RECORD = 1 << 30  # bytes; a larger length field is damage, not a record
 _ARRAYS = ("positions", "token_start", "token_end", "length", "sources", "source_epochs")
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -117,14 +125,41 @@ class Journal:
         # a process that creates and drops many loaders must not run out of descriptors.
         self._closer = weakref.finalize(self, os.close, self._fd)
         self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._size = 0  # bytes of whole records in the file
         self.reset(None)
 
     def append(self, *chunks: EventChunk) -> None:
-        """Append one batch's events, one record per chunk, in one ``writev(2)``."""
+        """Append one batch's events, one record per chunk, in one ``writev(2)``.
+
+        Raises:
+            StorageError: if the write fails or writes less than the records (a full disk,
+                a quota); the journal is cut back to its records before it, so a retry
+                appends after whole records.
+        """
         if len(chunks) == 1:
-            os.writev(self._fd, self._record(chunks[0]))
+            parts: Sequence[bytes] = self._record(chunks[0])
         else:
-            os.writev(self._fd, [part for chunk in chunks for part in self._record(chunk)])
+            parts = [part for chunk in chunks for part in self._record(chunk)]
+            if len(parts) > _IOV_MAX:  # writev takes at most IOV_MAX buffers (a long skip)
+                parts = [b"".join(parts)]
+        try:
+            written = os.writev(self._fd, parts)
+        except OSError as e:
+            self._cut_back()
+            raise StorageError(f"could not write the journal {self.path}: {e}") from e
+        size = self._size + written
+        if written != sum(map(len, parts)):  # a short write: ENOSPC or a quota midway
+            self._cut_back()
+            raise StorageError(
+                f"could not write the journal {self.path}: {written} of "
+                f"{sum(map(len, parts))} bytes written (is the disk full?)"
+            )
+        self._size = size
+
+    def _cut_back(self) -> None:
+        """Truncate the file to its whole records (after a failed or short write)."""
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, self._size)
 
     def _record(self, chunk: EventChunk) -> tuple[bytes, bytes]:
         """The frame header and the payload of one chunk's record."""
@@ -172,8 +207,15 @@ class Journal:
     def reset(self, after_commit: str | None) -> None:
         """Empty the journal after a commit; the header names that commit."""
         os.ftruncate(self._fd, 0)
-        header = self._pack([MAGIC, VERSION, self.attempt, self.rank, after_commit])
-        os.write(self._fd, _frame(header))
+        self._size = 0
+        header = _frame(self._pack([MAGIC, VERSION, self.attempt, self.rank, after_commit]))
+        try:
+            if os.write(self._fd, header) != len(header):
+                raise OSError(errno.ENOSPC, "a short write")
+        except OSError as e:
+            self._cut_back()
+            raise StorageError(f"could not write the journal {self.path}: {e}") from e
+        self._size = len(header)
 
     def close(self) -> None:
         """Close the file (idempotent); its records stay on disk."""

@@ -394,8 +394,8 @@ class DataLoader:
 
     def _start_attempt(self) -> None:
         self._ledger.start(self._resume_from, self._pipeline.journal_order())
-        for chunk in self._resume_events:  # e.g. a tail an elastic resume left unservable
-            self._ledger.append(chunk)
+        if self._resume_events:  # e.g. a tail an elastic resume left unservable
+            self._ledger.append(*self._resume_events)
         self._resume_events = []
 
     def __iter__(self) -> Iterator[Any]:
@@ -443,8 +443,7 @@ class DataLoader:
                 if self._unconfirmed:
                     self._confirm_replay()
                 state, events = pipeline.record(self._state, tag)
-                for chunk in events:
-                    append(chunk)
+                append(*events)  # all or nothing: the state moves only once they are in
                 self._state = state
                 yield data
             if generation == self._generation:
@@ -676,8 +675,8 @@ class DataLoader:
         self._confirm_replay()
         before = self._state
         state, events = self._pipeline.skip(before, batches, reason)
-        for chunk in events:
-            self._ledger.append(chunk)
+        if events:
+            self._ledger.append(*events)  # all or nothing, as a served batch's
         self._state = state
         logger.info(
             "rank %d skipped batches %d..%d (epoch %d batch %d -> epoch %d batch %d): %s",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import warnings
 from collections.abc import Sequence
@@ -33,6 +34,8 @@ from ledger.ranks import FAILED, NEWS, NO_NEWS, final_batch_of, from_rows, pack
 from ledger.schema import ERROR, ROLLBACK, SAMPLE, EventChunk, chunks_to_table
 from ledger.segments import SegmentBuilder, encode, segment_path
 from ledger.store import Store, sha256
+
+logger = logging.getLogger("ledger")
 
 
 def default_journal_dir() -> str:
@@ -132,6 +135,7 @@ class Ledger:
         self._pending: list[EventChunk] = []
         self._builder: SegmentBuilder | None = None
         self._journal: Journal | None = None
+        self._journal_failed = False  # the last journal write failed (warned once)
         self._inflight: _Inflight | None = None
 
     @property
@@ -191,7 +195,11 @@ class Ledger:
         if self._journal is not None:
             self._journal.close()
         self._upload_journals()
-        self._journal = Journal(self._journal_file(self.attempt), self.attempt, self.rank, order)
+        path = self._journal_file(self.attempt)
+        try:
+            self._journal = Journal(path, self.attempt, self.rank, order)
+        except OSError as e:
+            raise StorageError(f"could not open the journal {path}: {e}") from e
         self._journal.reset(parent.id if parent else None)
         return self.attempt
 
@@ -241,11 +249,32 @@ class Ledger:
         """Record one batch's events: in memory until commit, and in the journal (one
         ``write(2)`` for all of ``chunks``)."""
         assert self._journal is not None, "Ledger.start() was not called"
+        try:
+            self._journal.append(*chunks)
+        except StorageError as e:
+            # The journal is for forensics after a crash; commits do not read it. A full
+            # local disk must not stop a batch that its commit (perhaps on object storage)
+            # can still record.
+            self._journal_trouble(e)
+        else:
+            self._journal_failed = False
         self._pending.extend(chunks)
         if self._builder is not None:
             for chunk in chunks:
                 self._builder.add(chunk)
-        self._journal.append(*chunks)
+
+    def _journal_trouble(self, e: StorageError) -> None:
+        """Warn (once until the journal is written again) that a journal write failed."""
+        if self._journal_failed:
+            return
+        self._journal_failed = True
+        message = (
+            f"{e}: the batches since the last commit are recorded in memory and committed "
+            "as usual, but a crash before the next commit would leave some of them out of "
+            "the journal"
+        )
+        logger.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def commit(self, state: PipelineState, snapshot: Sequence[EventChunk] = ()) -> Commit:
         """Write the pending events as a segment and create the commit marker.
@@ -451,7 +480,10 @@ class Ledger:
         self._inflight = None
         self._pending = []
         self._builder = SegmentBuilder(self.attempt, self.rank)
-        self._journal.reset(commit.id)
+        try:
+            self._journal.reset(commit.id)
+        except StorageError as e:  # the commit stands; only the journal's header is lost
+            self._journal_trouble(e)
         return commit
 
     def read_commit(self, cid: str) -> Commit:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import zlib
 
@@ -186,6 +187,53 @@ def test_journal_holds_uncommitted_batches_and_tolerates_a_torn_tail(root):
     _, torn = read_journal(data[:-5])  # a crash mid-write: batch 2's record is torn
     assert [(c.kind, c.batch) for c in torn] == [("sample", 1)]
     assert [c.sample_ids.tolist() for c in torn] == consumed[:1]
+
+
+@pytest.mark.parametrize("failure", ["raises", "short"])
+def test_a_journal_that_cannot_be_written_warns_and_the_run_goes_on(root, monkeypatch, failure):
+    """The journal is for forensics: a full local disk (writev raising ENOSPC, or writing
+    part of a record) costs the records of those batches and one warning, not the
+    batches. The journal is cut back to whole records, the batches are committed as
+    usual, and a resume from that commit is exact (the loader's state never got ahead of
+    its recorded events)."""
+    import errno
+
+    from ledger import journal as journal_module
+    from ledger.journal import parse_journal
+
+    def make():
+        return ledger.DataLoader(Augmented(40), batch_size=4, shuffle=True, seed=2, log=root)
+
+    reference = [b["id"].tolist() for b in take(make(), 9)]
+    shutil.rmtree(root)
+    loader = make()
+    it = iter(loader)
+    served = [next(it)["id"].tolist() for _ in range(3)]
+    real = os.writev
+
+    def full(fd, parts):
+        if failure == "raises":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, [b"".join(bytes(p) for p in parts)[:7]])  # a short write
+
+    monkeypatch.setattr(journal_module.os, "writev", full)
+    with pytest.warns(RuntimeWarning, match="could not write the journal") as warned:
+        served += [next(it)["id"].tolist() for _ in range(2)]
+    assert len(warned) == 1  # once until the journal is written again
+    monkeypatch.setattr(journal_module.os, "writev", real)
+    served.append(next(it)["id"].tolist())
+    path = os.path.join(root, "journal", "attempt=0", "rank=0.msgpack")
+    with open(path, "rb") as f:
+        contents = parse_journal(f.read())
+    assert contents.unreadable == 0 and not contents.torn
+    assert [c.batch for c in contents.chunks] == [0, 1, 2, 5]
+    token = loader.state_dict()
+    assert token["step"] == 6 and served == reference[:6]
+    ids = [e["sample_id"] for e in _events(root) if e["kind"] == "sample"]
+    assert ids == [i for b in served for i in b]
+    resumed = make()
+    resumed.load_state_dict(token)
+    assert [b["id"].tolist() for b in take(resumed, 3)] == reference[6:9]
 
 
 def test_stateful_with_distributed_checkpoint(root, tmp_path):
