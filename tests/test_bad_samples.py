@@ -335,16 +335,20 @@ def test_a_transforms_stop_iteration_is_a_bad_sample_under_skip(tmp_path, stream
     served = [i for b in loader for i in b.tolist()]
     loader.state_dict()
     assert sorted(served) == sorted(set(range(STREAM_ROWS)) - STREAM_BAD)
+    rows = _error_rows(root)
+    assert [s for s, _ in rows] == sorted(STREAM_BAD)
+    for sid, failure in rows:
+        assert failure["message"].startswith(f"the transform raised StopIteration for sample {sid}")
+
+
+def _error_rows(root: str) -> list[tuple[int, dict]]:
+    """The lineage's ``error`` events of ``root``: (sample id, its value as JSON), by id."""
     rows = (
         connect(root)
         .sql("select sample_id, value from lineage where kind = 'error' order by sample_id")
         .fetchall()
     )
-    assert [s for s, _ in rows] == sorted(STREAM_BAD)
-    for sid, value in rows:
-        assert json.loads(value)["message"].startswith(
-            f"the transform raised StopIteration for sample {sid}"
-        )
+    return [(sid, json.loads(value)) for sid, value in rows]
 
 
 def test_the_audit_lists_a_streams_bad_samples(tmp_path, stream_shards):
@@ -462,14 +466,9 @@ def test_a_jsonl_line_that_is_no_json_object_is_a_bad_sample_under_skip(
     assert set(served) == good
     if not packing:
         assert len(served) == len(good)
-    rows = (
-        connect(root)
-        .sql("select sample_id, value from lineage where kind = 'error' order by sample_id")
-        .fetchall()
-    )
+    rows = _error_rows(root)
     assert [s for s, _ in rows] == sorted(STREAM_BAD)
-    for sid, value in rows:
-        failure = json.loads(value)
+    for sid, failure in rows:
         assert failure["type"] == "ledger.errors.DataError"
         assert f"(sample id {sid}) is " in failure["message"]
         assert "a JSONL shard holds one JSON object per line" in failure["message"]
