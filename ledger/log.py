@@ -247,7 +247,8 @@ class Ledger:
 
     def append(self, *chunks: EventChunk) -> None:
         """Record one batch's events: in memory until commit, and in the journal (one
-        ``write(2)`` for all of ``chunks``)."""
+        ``write(2)`` for all of ``chunks``). A journal that cannot be written (a full local
+        disk) costs a warning, not the batch: commits do not read it."""
         assert self._journal is not None, "Ledger.start() was not called"
         try:
             self._journal.append(*chunks)
