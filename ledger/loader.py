@@ -303,6 +303,9 @@ class DataLoader:
         self._unconfirmed = False
         self._token_commits: dict[str, Commit] = {}
         self._generation = 0
+        # The batch index being recorded, until its events are in and the state moved:
+        # left set by an exception in between (see _check_torn).
+        self._torn: int | None = None
         self._iter_epoch: int | None = None
         # A private generator: torch draws each iterator's base seed from it, so the
         # loader never consumes the training loop's global torch RNG.
@@ -399,7 +402,13 @@ class DataLoader:
         self._resume_events = []
 
     def __iter__(self) -> Iterator[Any]:
-        """Serve the rest of the current epoch (a whole epoch after the previous ended)."""
+        """Serve the rest of the current epoch (a whole epoch after the previous ended).
+
+        Raises:
+            LedgerError: if an exception interrupted the recording of a batch (see
+                :meth:`state_dict`).
+        """
+        self._check_torn()
         self._ensure_started()
         self._skip_due()
         batches = self._pipeline.begin(self._state)  # may refuse (a changed dataset)
@@ -407,6 +416,18 @@ class DataLoader:
         generation = self._generation
         self._iter_epoch = self._state.epoch
         return preemption.at_batch_boundaries(self._serve(batches, generation))
+
+    def _check_torn(self) -> None:
+        """Refuse to serve or commit after an exception (``KeyboardInterrupt``, an error of
+        the pipeline's check) interrupted the recording of a batch: the pipeline may have
+        folded the batch (a stream's buffers) without its events or state, and a commit
+        would pair one with the other."""
+        if self._torn is not None:
+            raise LedgerError(
+                f"recording batch {self._torn} was interrupted by an exception, so this "
+                "loader's pipeline and log may disagree about that batch: it neither serves "
+                "nor commits; resume from your last checkpoint with load_state_dict(token)"
+            )
 
     def _check_generation(self, generation: int) -> None:
         if generation != self._generation:
@@ -442,9 +463,11 @@ class DataLoader:
                 self._check_generation(generation)
                 if self._unconfirmed:
                     self._confirm_replay()
+                self._torn = self._state.batch
                 state, events = pipeline.record(self._state, tag)
                 append(*events)  # all or nothing: the state moves only once they are in
                 self._state = state
+                self._torn = None
                 yield data
             if generation == self._generation:
                 pipeline.finish(self._state, start_epoch)
@@ -527,8 +550,12 @@ class DataLoader:
         Raises:
             StorageError: if writing fails; the events stay pending and the next call
                 commits them.
+            LedgerError: if an exception interrupted the recording of a batch (a
+                ``KeyboardInterrupt`` in those microseconds, an error of the pipeline's
+                check of the batch): resume from the last checkpoint.
         """
         self._check_open()
+        self._check_torn()
         self._confirm_replay()
         if self._ledger.attempt is None:
             run_id = self._ledger.open(self.config)
@@ -610,6 +637,7 @@ class DataLoader:
             of the journal.
         """
         self._check_open()
+        self._check_torn()
         if (batches is None) == (steps is None):
             raise ValueError("skip() takes a number of batches or steps=, not both or neither")
         if batches is not None and (
@@ -787,6 +815,7 @@ class DataLoader:
         if self._verify_data and head is not None:
             self._check_last_batch(head, state)
         self._state = state
+        self._torn = None
         self._resume_from = head
         # Ranges planned in the lineage and not reached at the commit stay planned.
         self._planned = sorted(head.planned_skips) if head is not None else []

@@ -236,6 +236,66 @@ def test_a_journal_that_cannot_be_written_warns_and_the_run_goes_on(root, monkey
     assert [b["id"].tolist() for b in take(resumed, 3)] == reference[6:9]
 
 
+@pytest.mark.parametrize("kind", ["map", "stream", "packed"])
+@pytest.mark.parametrize("during", ["record", "append"])
+def test_an_interrupted_batch_recording_is_refused_until_a_resume(tmp_path, kind, during):
+    """A KeyboardInterrupt that lands while a batch is being recorded (the pipeline's
+    check and fold, the events' append) may leave a stream's buffers one batch past the
+    loader's state: that loader then neither serves nor commits (a commit would pair a
+    snapshot with another state) and a resume from the last checkpoint goes on exactly."""
+    from conftest import packed_stream, text_shards
+
+    from ledger.errors import LedgerError
+    from ledger.log import Ledger
+
+    root = str(tmp_path / "log")
+    if kind != "map":
+        shards = text_shards(tmp_path / "shards", 3, 6, "ab", 2)
+
+    def make(log: str) -> ledger.DataLoader:
+        if kind == "map":
+            return ledger.DataLoader(Augmented(40), batch_size=4, shuffle=True, seed=4, log=log)
+        if kind == "packed":
+            return ledger.DataLoader(packed_stream(shards, 5), batch_size=2, seed=4, log=log)
+        from ledger.stream import ShardedSource, Stream
+
+        stream = Stream(ShardedSource(f"{shards}/*"), lambda r, c: r["text"], shuffle_buffer=5)
+        return ledger.DataLoader(stream, batch_size=2, seed=4, log=log, collate_fn=list)
+
+    reference = list(take(make(str(tmp_path / "reference")), 8))
+    loader = make(root)
+    loader._ensure_started()
+    target = type(loader._pipeline) if during == "record" else Ledger
+    name = "record" if during == "record" else "append"
+    real = getattr(target, name)
+    armed = []
+
+    def interrupted(self, *args):
+        out = real(self, *args)  # the batch folded (and, for append, its events kept)
+        if armed:
+            raise KeyboardInterrupt
+        return out
+
+    setattr(target, name, interrupted)
+    try:
+        it = iter(loader)
+        served = [next(it) for _ in range(3)]
+        token = loader.state_dict()
+        served.append(next(it))
+        armed.append(True)
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+    finally:
+        setattr(target, name, real)
+    with pytest.raises(LedgerError, match="recording batch 4 was interrupted"):
+        iter(loader)
+    with pytest.raises(LedgerError, match="recording batch 4 was interrupted"):
+        loader.state_dict()
+    loader.load_state_dict(token)
+    rest = list(take(loader, 5))
+    assert batches_equal(served[:3] + rest, reference)
+
+
 def test_stateful_with_distributed_checkpoint(root, tmp_path):
     def make():
         return ledger.DataLoader(Augmented(20), batch_size=4, shuffle=True, seed=9, log=root)
