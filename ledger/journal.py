@@ -205,11 +205,16 @@ class Journal:
         return _FRAME.pack(_FRAME_MAGIC, len(payload), _crc32(payload)), payload
 
     def reset(self, after_commit: str | None) -> None:
-        """Empty the journal after a commit; the header names that commit."""
-        os.ftruncate(self._fd, 0)
+        """Empty the journal after a commit; the header names that commit.
+
+        Raises:
+            StorageError: if the file cannot be emptied or its header written (the
+                journal is then empty: its records name their batches on their own).
+        """
         self._size = 0
         header = _frame(self._pack([MAGIC, VERSION, self.attempt, self.rank, after_commit]))
         try:
+            os.ftruncate(self._fd, 0)
             if os.write(self._fd, header) != len(header):
                 raise OSError(errno.ENOSPC, "a short write")
         except OSError as e:
