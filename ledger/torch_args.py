@@ -13,9 +13,11 @@ sentence saying what ledger does instead.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +130,14 @@ def _check_dataset(dataset: Any) -> None:
             "map-style dataset (__len__ and __getitem__), or a ledger.stream.Stream for "
             "sharded data read in order (ledger.stream.ShardedSource over Parquet/JSONL "
             "files, with a shuffle buffer and packing), which ledger can resume exactly"
+        )
+    if isinstance(dataset, Mapping) and len(dataset) and 0 not in dataset:
+        keys = ", ".join(repr(k) for k in itertools.islice(dataset, 5))
+        raise UnsupportedArgument(
+            f"{type(dataset).__name__} is a mapping without the key 0 (its keys: {keys}"
+            f"{', ...' if len(dataset) > 5 else ''}): ledger.DataLoader takes a map-style "
+            "dataset indexed 0 .. len - 1; for a datasets.DatasetDict pass one split, e.g. "
+            "dataset['train']"
         )
 
 

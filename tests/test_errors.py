@@ -444,3 +444,18 @@ def test_a_dataset_whose_length_changes_during_the_run_is_refused(root, workers)
     data.n = 10
     second = [i for b in loader for i in b.tolist()]
     assert sorted(second) == list(range(10)) and second != first
+
+
+def test_a_mapping_without_index_0_is_refused_and_a_dict_of_indices_is_taken(root):
+    """A datasets.DatasetDict (splits by name) passed where one split belongs would fail
+    at the first batch with KeyError: 0; it is refused naming its keys. A dict indexed
+    0 .. n - 1 is a map-style dataset as torch takes it."""
+    import datasets
+
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"x": [1, 2, 3]})})
+    with pytest.raises(
+        UnsupportedArgument, match=r"mapping without the key 0 \(its keys: 'train'\)"
+    ):
+        ledger.DataLoader(splits, batch_size=2, seed=0, log=root)
+    served = list(ledger.DataLoader({0: 5, 1: 6, 2: 7}, batch_size=2, seed=0, log=root))
+    assert sorted(i for b in served for i in b.tolist()) == [5, 6, 7]
