@@ -11,7 +11,7 @@ process's ids-only lane (an :class:`~ledger.stream.shuffle.IdFeed` per source ep
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -338,7 +338,7 @@ class LaneFeed:
             payloads,
             self.stream.shuffle_buffer,
             self.lanes.key(self.s, self.epoch),
-            self._read,
+            self.stream.source.worker_blocks,
             self._load,
         )
         feed._held = _Held()  # a carried epoch may hold a row twice (from two old epochs)
@@ -359,12 +359,6 @@ class LaneFeed:
         """A sample begun before (a packed tail), read and transformed again with its seed."""
         record = self.stream.source.read([row])[0]
         return load_sample(self.stream, self.seed, epoch, row, record, self.per_sample_rng)
-
-    def _read(self, shard: int, row: int, stop: int) -> Iterator[list[dict[str, Any]]]:
-        source = self.stream.source
-        if stop - row == 1:  # a single row (e.g. a carried buffer slot): random access
-            return iter([source.read([int(source.offsets[shard]) + row], strict=False)])
-        return source.iter_blocks(shard, row, strict=False)
 
     def next(self) -> tuple[int, Any]:
         """The lane's next ``(row id, (item, draws))``, rolling over source epochs."""

@@ -77,9 +77,10 @@ class FileInfo:
 class BadRecord:
     """A JSONL line that is not a JSON object, in the place of its row, where a reader
     asked for them with ``strict=False`` (a stream's workers): the sample fails to load
-    when it is transformed (:func:`ledger.stream.sample.sample_loader` raises
-    :attr:`error`), so ``on_error="skip"`` leaves it out and logs it like any sample
-    whose loading raised, and ``on_error="raise"`` stops the run with the same error.
+    when it is transformed (:func:`ledger.stream.sample.sample_loader` raises a
+    :class:`~ledger.errors.DataError` with :attr:`message`), so ``on_error="skip"``
+    leaves it out and logs it like any sample whose loading raised, and
+    ``on_error="raise"`` stops the run with the same error.
 
     Attributes:
         message: the :class:`~ledger.errors.DataError`'s message, naming the file, the
@@ -277,6 +278,15 @@ class ShardedSource:
                     yield self._jsonl_parse(
                         shard, data, lo, a, min(a + _BLOCK_ROWS, hi), strict=strict
                     )
+
+    def worker_blocks(self, shard: int, row: int, stop: int) -> Iterator[list[Any]]:
+        """What a stream's worker reads of ``shard`` from ``row`` (its piece ends at row
+        ``stop``): one row by random access (a carried buffer slot), else
+        :meth:`iter_blocks`; leniently (``strict=False``: a damaged JSONL line is a
+        :class:`BadRecord`, a bad sample)."""
+        if stop - row == 1:
+            return iter([self.read([int(self.offsets[shard]) + row], strict=False)])
+        return self.iter_blocks(shard, row, strict=False)
 
     def read(self, sample_ids: Sequence[int] | np.ndarray, *, strict: bool = True) -> list[Any]:
         """Rows by sample id, in the order given (random access).

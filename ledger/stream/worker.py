@@ -338,7 +338,7 @@ class WorkerRun:
             payloads,
             stream.shuffle_buffer,
             buffer_key(seed, plan.epoch, rank, worker),
-            self._read,
+            source.worker_blocks,
             self._load_sample if not skip_errors else self._load,
         )
         self.packing = PackState(
@@ -388,12 +388,6 @@ class WorkerRun:
         if loaded[1] is not None:
             self._drew = True
         return sid, len(loaded[0])
-
-    def _read(self, shard: int, row: int, stop: int) -> Iterator[list[dict[str, Any]]]:
-        source = self.stream.source
-        if stop - row == 1:  # a single row (e.g. a carried buffer slot): random access
-            return iter([source.read([int(source.offsets[shard]) + row], strict=False)])
-        return source.iter_blocks(shard, row, strict=False)
 
     def _load(self, sid: int, record: dict[str, Any]) -> tuple[Any, str | None]:
         """``(item, draws)``; with ``skip_errors``, ``(Failure, None)`` if it raised."""
