@@ -3,6 +3,7 @@ sample-at-a-time definition (DocFeed, below)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -166,9 +167,10 @@ def feeds(draw: st.DrawFn) -> tuple:
 
 
 @settings(max_examples=300, deadline=None)
-@given(feeds(), st.sampled_from([1, 3, 17, 4096]))
-def test_idfeed_equals_docfeed_from_any_state(case: tuple, chunk: int) -> None:
-    """Step for step, whatever the chunk of steps computed at once."""
+@given(feeds(), st.sampled_from([1, 3, 17, 4096]), st.booleans())
+def test_idfeed_equals_docfeed_from_any_state(case: tuple, chunk: int, ahead: bool) -> None:
+    """Step for step, whatever the chunk of steps computed at once, and whether each
+    chunk is computed ahead on the background thread (``ahead``) or when needed."""
     rows, pieces, size, key, skip, chunks = case
     shuffle_module._CHUNK = chunk
     try:
@@ -178,7 +180,7 @@ def test_idfeed_equals_docfeed_from_any_state(case: tuple, chunk: int) -> None:
             if worker.next() is None:
                 break
         state = worker.state(0, None, [])
-        replica = IdFeed(source, list(pieces), state, list(worker.ids), size, key)  # type: ignore[arg-type]
+        replica = IdFeed(source, list(pieces), state, list(worker.ids), size, key, ahead=ahead)  # type: ignore[arg-type]
         for k in chunks:
             want = []
             for _ in range(k):
@@ -219,12 +221,13 @@ def _placed_in(source: SimpleNamespace) -> Callable[[np.ndarray], np.ndarray]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(feeds(), st.sampled_from([1, 3, 17, 4096]), st.sampled_from([0, 1, 4, 9]))
+@given(feeds(), st.sampled_from([1, 3, 17, 4096]), st.sampled_from([0, 1, 4, 9]), st.booleans())
 def test_replica_positions_and_states_follow_the_worker(
-    case: tuple, chunk: int, seq_len: int
+    case: tuple, chunk: int, seq_len: int, ahead: bool
 ) -> None:
     """Batch after batch (packed when ``seq_len`` > 0), the replica returns every row's
-    position and the worker's state, whatever the chunk of steps computed at once."""
+    position and the worker's state, whatever the chunk of steps computed at once and
+    whether computed ahead (``ahead``)."""
     rows, pieces, size, key, skip, batches = case
     shuffle_module._CHUNK = chunk
     try:
@@ -235,7 +238,16 @@ def test_replica_positions_and_states_follow_the_worker(
                 break
         state = worker.state(0, None, [])
         _placed = _placed_in(source)
-        feed = IdFeed(source, list(pieces), state, list(worker.ids), size, key, _placed)  # type: ignore[arg-type]
+        feed = IdFeed(
+            source,  # type: ignore[arg-type]
+            list(pieces),
+            state,
+            list(worker.ids),
+            size,
+            key,
+            _placed,
+            ahead=ahead,
+        )
         replica = Replica(feed, 0, None, [])
         packer = PackState(None, [])
 
@@ -461,3 +473,55 @@ def test_a_batch_meta_crosses_the_result_queue_as_it_was_made(layout: str) -> No
         assert back.spans.dtype == np.int64 and back.spans.shape == spans.shape
         assert back.spans.tolist() == spans.tolist()
         assert back.spans.flags.f_contiguous and back.spans.flags.writeable
+
+
+def test_a_feed_computes_ahead_on_the_background_thread_and_takes_that_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ahead=True``: each chunk is computed on the ``feed`` background thread while the
+    one before it is taken (the first at construction), and the main thread installs
+    that result instead of computing it again; the ids equal a feed that computes each
+    chunk when needed. A chunk computed from a state the feed no longer stands at is
+    not used."""
+    shuffle_module._CHUNK = 64
+    try:
+        source = _source([300, 200])
+        pieces = [(0, 0, 300), (1, 10, 200)]
+        computed: list[tuple[int, str, bool]] = []  # (feed, thread, a chunk came out)
+        compute = IdFeed._compute
+
+        def spy(self: IdFeed, start: Any) -> Any:
+            chunk = compute(self, start)
+            computed.append((id(self), threading.current_thread().name, chunk is not None))
+            return chunk
+
+        monkeypatch.setattr(IdFeed, "_compute", spy)
+        ahead = IdFeed(source, pieces, WorkerState(0), [], 16, 99, _placed_in(source), ahead=True)  # type: ignore[arg-type]
+        assert ahead._pending is not None  # the first chunk is on its way
+        ahead._pending[1].result()
+        assert computed == [(id(ahead), "ledger-feed_0", True)]
+        now = IdFeed(source, pieces, WorkerState(0), [], 16, 99, _placed_in(source))  # type: ignore[arg-type]
+        for k in [5, 64, 1, 100, 200, 7, 300]:
+            got, want = ahead.take_placed(k), now.take_placed(k)
+            assert got[0].tolist() == want[0].tolist()
+            assert got[1].tolist() == want[1].tolist()
+            assert ahead.buffer() == now.buffer()
+            assert ahead.cursor() == now.cursor()
+        assert ahead.exhausted() and now.exhausted()
+        # Each feed computed each chunk once: the ahead feed on the background thread,
+        # the other on the main thread.
+        chunks = [(f, t) for f, t, some in computed if some]
+        # 490 rows: 16 fill the buffer, 474 steady steps in 8 chunks of <= 64, the drain.
+        assert chunks.count((id(ahead), "ledger-feed_0")) == 9
+        assert chunks.count((id(now), "MainThread")) == 9
+        assert len(chunks) == 18
+        # A pending chunk from another state is not used: the chunk is computed anew.
+        stale = IdFeed(source, pieces, WorkerState(0), [], 16, 99, ahead=True)  # type: ignore[arg-type]
+        assert stale._pending is not None
+        stale._pending[1].result()
+        stale._draws += 1  # as if the feed had moved since
+        fresh = IdFeed(source, pieces, WorkerState(0), [], 16, 99)  # type: ignore[arg-type]
+        fresh._draws += 1
+        assert stale.take(40).tolist() == fresh.take(40).tolist()
+    finally:
+        shuffle_module._CHUNK = _DEFAULT_CHUNK

@@ -180,6 +180,7 @@ def replicas(
             stream.shuffle_buffer,
             buffer_key(seed, plan.epoch, rank, st.worker),
             plan.positions,
+            ahead=True,
         )
         doc = (st.doc, st.doc_offset, st.doc_length) if st.doc >= 0 else None
         out.append(Replica(feed, st.worker, doc, list(st.tails)))

@@ -11,7 +11,8 @@ The shuffle buffer is the reservoir-style buffer of ``tf.data.Dataset.shuffle``:
 to ``size`` slots; then each output is the slot ``j = draw % size``, refilled with the
 next row; once the rows run out, slot ``j`` of the ``n`` left is output and the last
 slot moves into it. ``tests/test_replica.py`` holds the sample-at-a-time definition and
-checks that :class:`IdFeed` equals it step for step.
+checks that :class:`IdFeed` equals it step for step. The main process's replicas compute
+each chunk on a background thread while the one before it is taken (``ahead``).
 
 In the steady state the slot sequence ``j_0, j_1, ...`` is known in advance, so step
 ``t`` outputs the row written to slot ``j_t`` by the latest earlier step with the same
@@ -23,11 +24,13 @@ epoch (at most ``size`` steps per worker) runs step by step.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 
 from ledger.commits import WorkerState
 from ledger.order import _GOLDEN, _mix
+from ledger.store import background
 from ledger.stream.source import ShardedSource
 
 Piece = tuple[int, int, int]  # (shard, first row, row after the last)
@@ -35,6 +38,21 @@ Run = tuple[int, int, int, int, int]
 """Rows a chunk read from one piece: ``(k_end, piece, base, piece_after, row_after)``: the
 cursor after the chunk's ``k``-th row is ``(piece, base + k)`` up to ``k_end`` (excluded),
 and ``(piece_after, row_after)`` (the next piece with rows, once this one is read) at it."""
+_Start = tuple[int, int, int, int, np.ndarray, np.ndarray | None]
+"""A chunk's starting state: ``(piece, row, rows_read, draws, buffer ids, their positions)``."""
+_Chunk = tuple[
+    np.ndarray,
+    list[Run],
+    int,
+    tuple[int, int, int] | None,
+    np.ndarray,
+    np.ndarray | None,
+    np.ndarray | None,
+    tuple[str, np.ndarray, np.ndarray, np.ndarray] | None,
+]
+"""A computed chunk: ``(outputs, runs, rows_read at its start, the drain's constant cursor or
+None, buffer ids at its end, outputs' positions, buffer positions at its end, what
+:meth:`IdFeed.buffer` rebuilds a step's buffer from)``."""
 
 
 def skip_empty(pieces: list[Piece], shard: int, row: int) -> tuple[int, int]:
@@ -80,6 +98,10 @@ class IdFeed:
             asked once per shard and for the buffer given, and the positions of the rows
             read then follow their ids through the shuffle (a few array operations per
             chunk instead of a binary search per id).
+        ahead: compute each chunk on a background thread while the one before it is
+            taken (:meth:`prefetch`), starting with the first: for the main process's
+            replicas, whose thread is the training loop's. The workers compute their own
+            chunks (``False``): their thread has nothing else to do meanwhile.
     """
 
     def __init__(
@@ -91,6 +113,7 @@ class IdFeed:
         size: int,
         key: int,
         locate: Callable[[np.ndarray], np.ndarray] | None = None,
+        ahead: bool = False,
     ) -> None:
         self.pieces = pieces
         self.locate = locate
@@ -119,6 +142,10 @@ class IdFeed:
         self._end_buf = self._buf
         self._end_pos = self._buf_pos
         self._placed: np.ndarray | None = None  # positions of ``_out`` (with ``locate``)
+        # The next chunk on its way (:meth:`prefetch`): the state it starts at, the future.
+        self._ahead = ahead
+        self._pending: tuple[_Start, Future[_Chunk | None]] | None = None
+        self.prefetch()
 
     # ------------------------------------------------------------------ state
 
@@ -199,34 +226,39 @@ class IdFeed:
     def _skip_empty(self) -> None:
         self._shard, self._row = skip_empty(self.pieces, self._shard, self._row)
 
-    def _rows(self, m: int) -> tuple[np.ndarray, list[Run], np.ndarray | None]:
-        """The next ``m`` (or fewer) rows' sample ids, the cursor after each row (as
-        :class:`Run` s, see :meth:`_after`), and (with ``locate``) the rows' positions."""
+    def _rows(
+        self, cursor: tuple[int, int, int], m: int
+    ) -> tuple[np.ndarray, list[Run], np.ndarray | None, tuple[int, int, int]]:
+        """The next ``m`` (or fewer) rows from ``cursor`` (``(piece, row, rows_read)``, past
+        empty pieces): their sample ids, the cursor after each row (as :class:`Run` s, see
+        :meth:`_after`), (with ``locate``) their positions, and the cursor after them."""
+        shard, row, read = cursor
         ids: list[np.ndarray] = []
         runs: list[Run] = []
         places: list[np.ndarray] | None = None if self.locate is None else []
         got = 0
-        while got < m and self._shard < len(self.pieces):
-            p = self._shard
-            _, _, stop = self.pieces[p]
-            take = min(m - got, stop - self._row)
-            first = self._row
-            ids.append(np.arange(first, first + take, dtype=np.int64) + self._base[p])
+        while got < m and shard < len(self.pieces):
+            _, _, stop = self.pieces[shard]
+            take = min(m - got, stop - row)
+            first = row
+            ids.append(np.arange(first, first + take, dtype=np.int64) + self._base[shard])
             if places is not None:
-                places.append(ids[-1] + self._shift_of(self.pieces[p][0], ids[-1][:1]))
+                places.append(ids[-1] + self._shift_of(self.pieces[shard][0], ids[-1][:1]))
             base = first - got  # the row after the call's k-th row is base + k
             got += take
-            self._row += take
-            self._rows_read += take
-            self._skip_empty()
-            runs.append((got, p, base, self._shard, self._row))
+            row += take
+            read += take
+            p = shard
+            shard, row = skip_empty(self.pieces, shard, row)
+            runs.append((got, p, base, shard, row))
+        after = (shard, row, read)
         if not ids:
             empty = np.zeros(0, np.int64)
-            return empty, runs, None if places is None else empty
+            return empty, runs, None if places is None else empty, after
         if len(ids) == 1:
-            return ids[0], runs, None if places is None else places[0]
+            return ids[0], runs, None if places is None else places[0], after
         placed = None if places is None else np.concatenate(places)
-        return np.concatenate(ids), runs, placed
+        return np.concatenate(ids), runs, placed, after
 
     def _shift_of(self, shard: int, first: np.ndarray) -> int:
         """Position minus sample id in ``shard`` (``first``: one of its ids, ``(1,)``)."""
@@ -235,9 +267,6 @@ class IdFeed:
             assert self.locate is not None
             shift = self._shift[shard] = int(self.locate(first)[0] - first[0])
         return shift
-
-    def _has_rows(self) -> bool:
-        return self._shard < len(self.pieces)
 
     # ------------------------------------------------------------------ chunks
 
@@ -257,56 +286,95 @@ class IdFeed:
         self._end_pos = self._buf_pos
         self._placed = None
 
+    def _start(self) -> _Start:
+        """The state at the start of the current chunk, which the next chunk's
+        computation reads (:meth:`_compute`)."""
+        return (self._shard, self._row, self._rows_read, self._draws, self._buf, self._buf_pos)
+
+    def prefetch(self) -> None:
+        """Compute the chunk after the current one on the process's ``feed`` background
+        thread (:func:`ledger.store.background`), if this feed computes ahead (``ahead``)
+        and none is on its way. A chunk (~40 numpy calls over :data:`_CHUNK` steps, ~0.5-1
+        ms) is then no longer computed on the training loop's thread every
+        :data:`_CHUNK` steps: a stream's main-process work per batch of ~256 samples
+        drops by ~12 µs of that thread's CPU (``tools/bench_stream.py``), at the same
+        throughput. The result is the chunk computing it when needed would give (a pure
+        function of the state the current chunk ends at), and is used only if the feed
+        still stands there.
+        """
+        if not self._ahead or self._pending is not None:
+            return
+        start = self._end_state() if len(self._out) else self._start()
+        if start[4].size == 0 and start[0] >= len(self.pieces):
+            return  # the epoch is over: no chunk to compute
+        self._pending = (start, background("feed").submit(self._compute, start))
+
+    def _end_state(self) -> _Start:
+        """The state at the end of the current chunk (the next chunk's start)."""
+        shard, row, read = self._after(len(self._out))
+        draws = self._draws + (len(self._out) if self.size else 0)
+        return (shard, row, read, draws, self._end_buf, self._end_pos)
+
     def _next_chunk(self) -> bool:
-        """Compute the next chunk of steps; ``False`` at the end of the epoch."""
+        """Compute (or take the prefetched) next chunk of steps; ``False`` at the end of
+        the epoch."""
         self._roll()
-        # The cursor moves from here on; the chunk-start state stays in the scalars.
-        shard, row, read = self._shard, self._row, self._rows_read
-        try:
-            if self.size == 0:
-                out, runs, placed = self._rows(_CHUNK)
-                self._set(out, runs, read, None, self._buf, placed, self._buf_pos)
-                return out.size > 0
-            buf, buf_pos = self._buf, self._buf_pos
-            if buf.size < self.size and self._has_rows():  # the fill before the next draw
-                fill, _, fill_pos = self._rows(self.size - buf.size)
-                buf = np.concatenate([buf, fill])
-                if buf_pos is not None and fill_pos is not None:
-                    buf_pos = np.concatenate([buf_pos, fill_pos])
-            if buf.size == 0:
-                return False
-            if self._has_rows():
-                self._steady(buf, buf_pos)
-            else:
-                self._drain(buf, buf_pos)
-            return True
-        finally:
-            self._shard, self._row, self._rows_read = shard, row, read
+        start = self._start()
+        chunk = None
+        if self._pending is not None:
+            (shard, row, read, draws, buf, _), future = self._pending
+            self._pending = None
+            if (shard, row, read, draws) == start[:4] and buf is start[4]:
+                chunk = future.result()
+            else:  # the feed moved elsewhere since (not in ledger's own use)
+                future.cancel()
+                chunk = self._compute(start)
+        else:
+            chunk = self._compute(start)
+        if chunk is None:
+            return False
+        (
+            self._out, self._runs, self._read0, self._const, self._end_buf, self._placed,
+            self._end_pos, self._rebuild,
+        ) = chunk  # fmt: skip
+        self.prefetch()
+        return True
 
-    def _set(
+    def _compute(self, start: _Start) -> _Chunk | None:
+        """The chunk of steps from ``start`` (``None`` at the end of the epoch): reads
+        only ``start``, the feed's constant fields and its ``locate`` cache, so it may run
+        on a background thread (:meth:`prefetch`)."""
+        shard, row, read, draws, buf, buf_pos = start
+        cursor = (shard, row, read)
+        if self.size == 0:
+            out, runs, placed, _ = self._rows(cursor, _CHUNK)
+            if out.size == 0:
+                return None
+            return (out, runs, read, None, buf, placed, buf_pos, None)
+        if buf.size < self.size and cursor[0] < len(self.pieces):  # the fill before a draw
+            fill, _, fill_pos, cursor = self._rows(cursor, self.size - buf.size)
+            buf = np.concatenate([buf, fill])
+            if buf_pos is not None and fill_pos is not None:
+                buf_pos = np.concatenate([buf_pos, fill_pos])
+        if buf.size == 0:
+            return None
+        if cursor[0] < len(self.pieces):
+            return self._steady(cursor, draws, buf, buf_pos)
+        return self._drain(cursor, draws, buf, buf_pos)
+
+    def _steady(
         self,
-        out: np.ndarray,
-        runs: list[Run],
-        read0: int,
-        const: tuple[int, int, int] | None,
-        end_buf: np.ndarray,
-        placed: np.ndarray | None,
-        end_pos: np.ndarray | None,
-    ) -> None:
-        """The chunk's outputs; the cursor after step ``k``: ``const`` (the drain), else
-        from ``runs`` and ``read0 + k`` rows read (:meth:`_after`)."""
-        self._out, self._runs, self._read0, self._const = out, runs, read0, const
-        self._end_buf = end_buf
-        self._placed = placed
-        self._end_pos = end_pos
-
-    def _steady(self, buf: np.ndarray, buf_pos: np.ndarray | None) -> None:
+        cursor: tuple[int, int, int],
+        draws: int,
+        buf: np.ndarray,
+        buf_pos: np.ndarray | None,
+    ) -> _Chunk:
         """Steps that each output a slot and refill it with the next row (and the
         positions follow the ids, with ``locate``)."""
-        read0 = self._rows_read
-        rows, runs, rows_pos = self._rows(_CHUNK)  # one replacement row per step
+        read0 = cursor[2]
+        rows, runs, rows_pos, _ = self._rows(cursor, _CHUNK)  # one replacement row per step
         t = rows.size
-        slots = _draw(self.key, self._draws, t, buf.size)
+        slots = _draw(self.key, draws, t, buf.size)
         order = _by_slot(slots)  # by slot, then step
         by_slot = slots[order]
         size = buf.size
@@ -331,13 +399,18 @@ class IdFeed:
             end_pos = buf_pos.copy()
             end_pos[by_slot[last]] = rows_pos[order[last]]
             end_pos[by_slot[-1]] = rows_pos[order[-1]]
-        self._set(out, runs, read0, None, end, placed, end_pos)
-        self._rebuild = ("steady", buf, slots, rows)
+        return (out, runs, read0, None, end, placed, end_pos, ("steady", buf, slots, rows))
 
-    def _drain(self, buf: np.ndarray, buf_pos: np.ndarray | None) -> None:
+    def _drain(
+        self,
+        cursor: tuple[int, int, int],
+        draws: int,
+        buf: np.ndarray,
+        buf_pos: np.ndarray | None,
+    ) -> _Chunk:
         """The drain: no row left, the buffer shrinks by one each step."""
         t = buf.size
-        counters = np.arange(self._draws, self._draws + t, dtype=np.uint64)
+        counters = np.arange(draws, draws + t, dtype=np.uint64)
         z = _mix(self.key + counters * np.uint64(_GOLDEN))
         # Step i draws among the t - i slots left; the last one moves into the slot drawn.
         # The loop moves slot numbers; ids and positions are gathered after it.
@@ -351,16 +424,16 @@ class IdFeed:
             at[j] = at[last]
         taken = np.array(out, np.int64)
         empty = np.zeros(0, np.int64)
-        self._set(
+        return (
             buf[taken],
             [],
             0,
-            (self._shard, self._row, self._rows_read),
+            cursor,
             empty,
             None if buf_pos is None else buf_pos[taken],
             None if buf_pos is None else empty,
+            ("drain", buf, slots, np.zeros(0, np.int64)),
         )
-        self._rebuild = ("drain", buf, slots, np.zeros(0, np.int64))
 
     # ------------------------------------------------------------------ the stream
 
