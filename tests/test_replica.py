@@ -3,8 +3,10 @@ sample-at-a-time definition (DocFeed, below)."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
 
@@ -498,7 +500,7 @@ def test_a_feed_computes_ahead_on_the_background_thread_and_takes_that_chunk(
         monkeypatch.setattr(IdFeed, "_compute", spy)
         ahead = IdFeed(source, pieces, WorkerState(0), [], 16, 99, _placed_in(source), ahead=True)  # type: ignore[arg-type]
         assert ahead._pending is not None  # the first chunk is on its way
-        ahead._pending[1].result()
+        ahead._pending[2].result()
         assert computed == [(id(ahead), "ledger-feed_0", True)]
         now = IdFeed(source, pieces, WorkerState(0), [], 16, 99, _placed_in(source))  # type: ignore[arg-type]
         for k in [5, 64, 1, 100, 200, 7, 300]:
@@ -518,10 +520,17 @@ def test_a_feed_computes_ahead_on_the_background_thread_and_takes_that_chunk(
         # A pending chunk from another state is not used: the chunk is computed anew.
         stale = IdFeed(source, pieces, WorkerState(0), [], 16, 99, ahead=True)  # type: ignore[arg-type]
         assert stale._pending is not None
-        stale._pending[1].result()
+        stale._pending[2].result()
         stale._draws += 1  # as if the feed had moved since
         fresh = IdFeed(source, pieces, WorkerState(0), [], 16, 99)  # type: ignore[arg-type]
         fresh._draws += 1
         assert stale.take(40).tolist() == fresh.take(40).tolist()
+        # Nor one another process submitted (a forked child's copy of the feed): its
+        # future would never finish here, so it is not waited for.
+        forked = IdFeed(source, pieces, WorkerState(0), [], 16, 99, ahead=True)  # type: ignore[arg-type]
+        assert forked._pending is not None
+        forked._pending = (forked._pending[0], os.getpid() + 1, Future())
+        fresh = IdFeed(source, pieces, WorkerState(0), [], 16, 99)  # type: ignore[arg-type]
+        assert forked.take(40).tolist() == fresh.take(40).tolist()
     finally:
         shuffle_module._CHUNK = _DEFAULT_CHUNK

@@ -23,6 +23,7 @@ epoch (at most ``size`` steps per worker) runs step by step.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -144,7 +145,7 @@ class IdFeed:
         self._placed: np.ndarray | None = None  # positions of ``_out`` (with ``locate``)
         # The next chunk on its way (:meth:`prefetch`): the state it starts at, the future.
         self._ahead = ahead
-        self._pending: tuple[_Start, Future[_Chunk | None]] | None = None
+        self._pending: tuple[_Start, int, Future[_Chunk | None]] | None = None
         self.prefetch()
 
     # ------------------------------------------------------------------ state
@@ -300,14 +301,15 @@ class IdFeed:
         drops by ~12 µs of that thread's CPU (``tools/bench_stream.py``), at the same
         throughput. The result is the chunk computing it when needed would give (a pure
         function of the state the current chunk ends at), and is used only if the feed
-        still stands there.
+        still stands there, in the process that computed it.
         """
         if not self._ahead or self._pending is not None:
             return
         start = self._end_state() if len(self._out) else self._start()
         if start[4].size == 0 and start[0] >= len(self.pieces):
             return  # the epoch is over: no chunk to compute
-        self._pending = (start, background("feed").submit(self._compute, start))
+        pool = background("feed")
+        self._pending = (start, os.getpid(), pool.submit(self._compute, start))
 
     def _end_state(self) -> _Start:
         """The state at the end of the current chunk (the next chunk's start)."""
@@ -320,17 +322,18 @@ class IdFeed:
         the epoch."""
         self._roll()
         start = self._start()
-        chunk = None
-        if self._pending is not None:
-            (shard, row, read, draws, buf, _), future = self._pending
-            self._pending = None
-            if (shard, row, read, draws) == start[:4] and buf is start[4]:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            chunk = self._compute(start)
+        else:
+            (shard, row, read, draws, buf, _), pid, future = pending
+            # The chunk computed ahead, if it starts here and was computed in this process
+            # (a forked child has no background thread of its parent's to finish it).
+            if (shard, row, read, draws) == start[:4] and buf is start[4] and pid == os.getpid():
                 chunk = future.result()
-            else:  # the feed moved elsewhere since (not in ledger's own use)
+            else:
                 future.cancel()
                 chunk = self._compute(start)
-        else:
-            chunk = self._compute(start)
         if chunk is None:
             return False
         (
