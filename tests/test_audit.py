@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
@@ -227,6 +228,44 @@ def test_spill_directory_is_removed_with_the_connection(log: LogFactory) -> None
     del con
     gc.collect()
     assert not os.path.exists(scratch)
+
+
+@pytest.mark.parametrize("damage", ["unknown head", "missing parent", "no run"])
+def test_a_log_that_cannot_be_read_leaves_no_connection_or_spill_directory(
+    log: LogFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """DuckDB opens on a background thread while the log is read: when reading fails,
+    that connection is closed and its spill directory removed before the error is
+    raised (nothing is left for a garbage collection)."""
+    spills = tmp_path / "spills"
+    spills.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spills))
+    opened: list[duckdb.DuckDBPyConnection] = []
+    real = duckdb.connect
+
+    def spy(*args: object, **kwargs: object) -> duckdb.DuckDBPyConnection:
+        con = real(*args, **kwargs)  # type: ignore[arg-type]
+        opened.append(con)
+        return con
+
+    monkeypatch.setattr(duckdb, "connect", spy)
+    root, head = str(log.root), None
+    if damage == "unknown head":
+        head = "000000000099-0000"
+    elif damage == "missing parent":
+        (log.root / "commits/000000000004-0000.json").unlink()
+    else:
+        root = str(tmp_path / "nowhere")
+    gc.disable()  # the cleanup must not wait for a collection
+    try:
+        with pytest.raises((CommitNotFound, LogCorrupted)):
+            connect(root, head=head)
+        assert len(opened) == 1
+        with pytest.raises(duckdb.ConnectionException):
+            opened[0].execute("SELECT 1")  # closed
+        assert list(spills.iterdir()) == []
+    finally:
+        gc.enable()
 
 
 # ---------------------------------------------------------------- summary

@@ -82,10 +82,12 @@ with it. ``read_parquet`` over the file list is not used on purpose: DuckDB's
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import tempfile
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -114,7 +116,7 @@ from ledger.history import History, read_history, segments_table
 from ledger.journal import uncommitted
 from ledger.manifest import check_chain
 from ledger.schema import EVENT_SCHEMA, chunks_to_table
-from ledger.store import Store
+from ledger.store import Store, background
 
 # String columns are read as Arrow dictionaries, which DuckDB scans as VARCHAR without
 # building a string per row: filtering on `kind` is ~3x faster than with plain strings.
@@ -203,7 +205,61 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
         LogCorrupted: if a parent link names a missing commit, the chain loops, or a
             segment named by a marker is missing.
     """
-    store = Store(root)
+    # DuckDB's start (~20 ms, the GIL released) overlaps with reading the markers. A
+    # private spill directory: the one place DuckDB may write once access is disabled.
+    scratch = tempfile.mkdtemp(prefix="ledger-audit-")
+    opening = background("duckdb").submit(
+        duckdb.connect, ":memory:", config={"temp_directory": scratch}
+    )
+    try:
+        store = Store(root)
+        run, tables, in_lineage, is_head, in_chain, placed = _read_log(store, head)
+        con = opening.result()
+    except BaseException:
+        _discard(opening, scratch)
+        raise
+    weakref.finalize(con, shutil.rmtree, scratch, True)
+    events = _events_dataset(store, tables.segments, placed)
+    con.register("events", events)
+    if not in_chain.all():
+        lineage_placed = (placed[0][in_chain], placed[1])
+        events = _events_dataset(store, tables.segments.filter(pa.array(in_chain)), lineage_placed)
+    con.register("lineage", events)  # every segment is of the lineage: the same dataset
+    commits_view = tables.commits.append_column("in_lineage", pa.array(in_lineage)).append_column(
+        "is_head", pa.array(is_head)
+    )
+    _REGISTERED[con] = _Registered(tables.segments, in_chain, commits_view, *placed)
+    con.register("commits", commits_view)
+    con.register("segments", tables.segments)
+    con.register("states", tables.states)
+    con.register("attempts", _attempts_table(store))
+    con.register("run", _run_table(run))
+    lost, journals = _journal_tables(store, tables.states)
+    con.register("uncommitted", lost)
+    con.register("journals", journals)
+    for setting in (
+        "autoinstall_known_extensions=false",
+        "autoload_known_extensions=false",
+        "enable_progress_bar=false",  # a long query would draw on the user's terminal
+        "enable_external_access=false",
+        "lock_configuration=true",
+    ):
+        con.execute(f"SET {setting}")
+    return con
+
+
+def _read_log(
+    store: Store, head: str | None
+) -> tuple[
+    dict[str, Any], _Tables, np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, pa.Table]
+]:
+    """What :func:`connect` reads of the log: the run record, the marker-derived tables,
+    which commits are of the head's lineage and which is the head, which segments are of
+    the lineage, and where each segment lies (:func:`_placed`).
+
+    Raises:
+        CommitNotFound, LogCorrupted: as :func:`connect`.
+    """
     run = read_run(store)
     history = read_history(store)
     at = None if history is None or head is None else history.index(head)
@@ -235,42 +291,15 @@ def connect(root: str, head: str | None = None) -> duckdb.DuckDBPyConnection:
         in_chain = _among(tables.segments["commit_id"], chain)
     placed = _placed(store, tables.segments["path"])
     _check_segments_exist(store, tables.segments, placed)
+    return run, tables, in_lineage, is_head, in_chain, placed
 
-    # A private spill directory: the one place DuckDB may write once access is disabled.
-    scratch = tempfile.mkdtemp(prefix="ledger-audit-")
-    try:
-        con = duckdb.connect(":memory:", config={"temp_directory": scratch})
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    weakref.finalize(con, shutil.rmtree, scratch, True)
-    events = _events_dataset(store, tables.segments, placed)
-    con.register("events", events)
-    if not in_chain.all():
-        lineage_placed = (placed[0][in_chain], placed[1])
-        events = _events_dataset(store, tables.segments.filter(pa.array(in_chain)), lineage_placed)
-    con.register("lineage", events)  # every segment is of the lineage: the same dataset
-    commits_view = tables.commits.append_column("in_lineage", pa.array(in_lineage)).append_column(
-        "is_head", pa.array(is_head)
-    )
-    _REGISTERED[con] = _Registered(tables.segments, in_chain, commits_view, *placed)
-    con.register("commits", commits_view)
-    con.register("segments", tables.segments)
-    con.register("states", tables.states)
-    con.register("attempts", _attempts_table(store))
-    con.register("run", _run_table(run))
-    lost, journals = _journal_tables(store, tables.states)
-    con.register("uncommitted", lost)
-    con.register("journals", journals)
-    for setting in (
-        "autoinstall_known_extensions=false",
-        "autoload_known_extensions=false",
-        "enable_progress_bar=false",  # a long query would draw on the user's terminal
-        "enable_external_access=false",
-        "lock_configuration=true",
-    ):
-        con.execute(f"SET {setting}")
-    return con
+
+def _discard(opening: Future[duckdb.DuckDBPyConnection], scratch: str) -> None:
+    """Close the connection :func:`connect` was opening (once it is open) and remove its
+    spill directory, after reading the log failed."""
+    with contextlib.suppress(Exception):  # the log's error is the one to raise
+        opening.result().close()
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 @dataclass(frozen=True, slots=True)
