@@ -19,7 +19,8 @@ path rank 0 takes at a commit), then times, in this one process:
 - **marker bytes per rank** and the **marker parse** time at W ranks;
 - **verify** and **audit** (``ledger.audit.summarize``) at C commits;
 - **audit after compaction**: 10^6 events written as 10 segments, as 10,000, and the
-  10,000 after ``ledger compact``; then ``verify`` of the compacted log.
+  10,000 after ``ledger compact``; then ``verify`` of the compacted log. The 10 segments
+  and the compacted log are timed alternately (:func:`alternately`).
 
 Each row gives the time at each size and the slope of log(time) against log(size)
 between the smallest and largest size (0: flat, 1: linear). Times are the best of
@@ -474,20 +475,27 @@ def elastic_streams(
     return out, line
 
 
+def alternately(fns: list[Callable[[], Any]], repeat: int) -> list[tuple[float, float]]:
+    """The best wall-clock and CPU seconds of each of ``fns``, each run once first (imports,
+    the OS's caches), then all in turn ``repeat`` times."""
+    for fn in fns:
+        fn()
+    best = [(math.inf, math.inf)] * len(fns)
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            w, c = timed(fn, 1)
+            best[i] = (min(best[i][0], w), min(best[i][1], c))
+    return best
+
+
 def audit_ratio(console: Console, few: str, compacted: str, repeat: int) -> None:
     """Time ``ledger.audit.summarize`` of two logs holding the same events (``few``
-    segments; ``compacted``), each run once first (imports, the OS's caches), then
-    alternately ``repeat`` times each; print the best CPU and wall-clock ms and the
-    ratio compacted / few."""
+    segments; ``compacted``) alternately (:func:`alternately`); print the best CPU and
+    wall-clock ms and the ratio compacted / few."""
     load = os.getloadavg()[0]
-    best = {root: (math.inf, math.inf) for root in (few, compacted)}
-    for root in best:
-        summarize(root)
-    for _ in range(repeat):
-        for root, (wall, cpu) in best.items():
-            w, c = timed(lambda root=root: summarize(root), 1)
-            best[root] = (min(wall, w), min(cpu, c))
-    (w_few, c_few), (w_c, c_c) = best[few], best[compacted]
+    (w_few, c_few), (w_c, c_c) = alternately(
+        [lambda: summarize(few), lambda: summarize(compacted)], repeat
+    )
     console.print(
         f"audit summary, best of {repeat}, CPU / wall ms: {few} {c_few * 1e3:.1f} / "
         f"{w_few * 1e3:.1f}; {compacted} {c_c * 1e3:.1f} / {w_c * 1e3:.1f}; compacted / few "
@@ -630,16 +638,16 @@ def main() -> None:
         big = commits[-1]
         few = build(f"{base}/few", 10, 1, 100, batches_per_commit=big // 10)
         assert few["step"] == big
-        t_few, c_few = timed(lambda: summarize(f"{base}/few"), args.repeat)
         many = f"{base}/c{big}"
         t_many, c_many = timed(lambda: summarize(many), args.repeat)
         t = time.perf_counter()
         result = compact(many)
         t_compact = time.perf_counter() - t
-        t_after, c_after = timed(lambda: summarize(many), args.repeat)
-        # Once more from 10 segments, after: the load moves during a run.
-        t_few2, c_few2 = timed(lambda: summarize(f"{base}/few"), args.repeat)
-        t_few, c_few = min(t_few, t_few2), min(c_few, c_few2)
+        # The 10 segments and the compacted log alternately (the load moves during a run,
+        # and the compaction's writes are still being flushed right after it).
+        (t_few, c_few), (t_after, c_after) = alternately(
+            [lambda: summarize(f"{base}/few"), lambda: summarize(many)], args.repeat + 4
+        )
         v_after = timed(lambda: verified(many), 1)
         head = read_commit(Store(many), tokens[big]["commit"])
         assert head.step == big
