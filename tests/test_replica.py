@@ -534,3 +534,23 @@ def test_a_feed_computes_ahead_on_the_background_thread_and_takes_that_chunk(
         assert forked.take(40).tolist() == fresh.take(40).tolist()
     finally:
         shuffle_module._CHUNK = _DEFAULT_CHUNK
+
+
+def test_a_feed_that_cannot_compute_ahead_computes_when_needed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At interpreter shutdown an executor refuses new work (``RuntimeError``): the feed
+    then computes each chunk when it is needed, and hands on the same ids."""
+
+    class Refusing:
+        def submit(self, *args: object) -> None:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(shuffle_module, "background", lambda name: Refusing())
+    source = _source([30, 20])
+    pieces = [(0, 0, 30), (1, 0, 20)]
+    ahead = IdFeed(source, pieces, WorkerState(0), [], 4, 3, ahead=True)  # type: ignore[arg-type]
+    assert ahead._pending is None
+    now = IdFeed(source, pieces, WorkerState(0), [], 4, 3)  # type: ignore[arg-type]
+    assert ahead.take(60).tolist() == now.take(60).tolist()
+    assert ahead.exhausted()

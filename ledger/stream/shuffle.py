@@ -308,8 +308,11 @@ class IdFeed:
         start = self._end_state() if len(self._out) else self._start()
         if start[4].size == 0 and start[0] >= len(self.pieces):
             return  # the epoch is over: no chunk to compute
-        pool = background("feed")
-        self._pending = (start, os.getpid(), pool.submit(self._compute, start))
+        try:
+            future = background("feed").submit(self._compute, start)
+        except RuntimeError:  # the interpreter is shutting down: computed when needed
+            return
+        self._pending = (start, os.getpid(), future)
 
     def _end_state(self) -> _Start:
         """The state at the end of the current chunk (the next chunk's start)."""
