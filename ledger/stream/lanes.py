@@ -252,13 +252,7 @@ class LaneIds:
         self.epoch = epoch
         stream = lanes.streams[s]
         self.feed = IdFeed(
-            stream.source,
-            pieces,
-            state,
-            buffer,
-            stream.shuffle_buffer,
-            lanes.key(s, epoch),
-            ahead=True,  # the main process: chunks computed off the training loop's thread
+            stream.source, pieces, state, buffer, stream.shuffle_buffer, lanes.key(s, epoch)
         )
 
     def take(self, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -274,7 +268,6 @@ class LaneIds:
                 [],
                 stream.shuffle_buffer,
                 self.lanes.key(self.s, epoch),
-                ahead=True,
             )
 
         ids, epochs, self.epoch = self.lanes.take_rolling(

@@ -11,8 +11,9 @@ The shuffle buffer is the reservoir-style buffer of ``tf.data.Dataset.shuffle``:
 to ``size`` slots; then each output is the slot ``j = draw % size``, refilled with the
 next row; once the rows run out, slot ``j`` of the ``n`` left is output and the last
 slot moves into it. ``tests/test_replica.py`` holds the sample-at-a-time definition and
-checks that :class:`IdFeed` equals it step for step. The main process's replicas compute
-each chunk on a background thread while the one before it is taken (``ahead``).
+checks that :class:`IdFeed` equals it step for step. The main process's replicas of a
+stream's workers compute each chunk on a background thread while the one before it is
+taken (``ahead``).
 
 In the steady state the slot sequence ``j_0, j_1, ...`` is known in advance, so step
 ``t`` outputs the row written to slot ``j_t`` by the latest earlier step with the same
@@ -101,8 +102,11 @@ class IdFeed:
             chunk instead of a binary search per id).
         ahead: compute each chunk on a background thread while the one before it is
             taken (:meth:`prefetch`), starting with the first: for the main process's
-            replicas, whose thread is the training loop's. The workers compute their own
-            chunks (``False``): their thread has nothing else to do meanwhile.
+            replicas of a stream's logical workers, whose thread is the training loop's.
+            It holds a second chunk (~0.4-0.55 MB) per feed. The workers compute their
+            own chunks (``False``): their thread has nothing else to do meanwhile; so do
+            a mixture's lane replicas (one feed per worker and source, many of them
+            taking a chunk's ids over a long time).
     """
 
     def __init__(
