@@ -23,7 +23,7 @@ import torch
 import torch.utils.data as tud
 
 from ledger import pipeline as pipelines
-from ledger import preemption, torch_args
+from ledger import preemption, torch_args, transport
 from ledger.commits import Commit, PipelineState, find_run, phase_of
 from ledger.errors import (
     BatchSkipped,
@@ -54,7 +54,8 @@ class MapDataset(Protocol):
 
 class _WorkerInit:
     """Runs in each worker first: die with the main process, ignore the preemption
-    signals the main process handles, then the user's init.
+    signals the main process handles, send small tensors by value
+    (:func:`ledger.transport.install`), then the user's init.
 
     torch's worker watchdog compares the parent pid with the one it saw at start-up; a
     worker forked just before its parent is SIGKILLed sees pid 1 there and never exits
@@ -68,10 +69,13 @@ class _WorkerInit:
     them in its pickled copy of this object (``__getstate__`` runs when it starts).
     """
 
-    def __init__(self, fn: Callable[[int], None] | None, main_pid: int, check: bool) -> None:
+    def __init__(
+        self, fn: Callable[[int], None] | None, main_pid: int, check: bool, copy_below: int
+    ) -> None:
         self.fn = fn
         self.main_pid = main_pid
         self.check = check
+        self.copy_below = copy_below
         self.ignore: frozenset[int] = frozenset()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -84,11 +88,12 @@ class _WorkerInit:
                 ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
             if os.getppid() != self.main_pid:
                 os._exit(0)
+        transport.install(self.copy_below)
         if self.fn is not None:
             self.fn(worker_id)
 
 
-def _worker_init(fn: Callable[[int], None] | None, context: Any) -> _WorkerInit:
+def _worker_init(fn: Callable[[int], None] | None, context: Any, copy_below: int) -> _WorkerInit:
     method = (
         context
         if isinstance(context, str)
@@ -97,7 +102,7 @@ def _worker_init(fn: Callable[[int], None] | None, context: Any) -> _WorkerInit:
         else multiprocessing.get_start_method()
     )
     # With fork and spawn the main process is the parent; a forkserver is not.
-    return _WorkerInit(fn, os.getpid(), method in ("fork", "spawn"))
+    return _WorkerInit(fn, os.getpid(), method in ("fork", "spawn"), copy_below)
 
 
 class DataLoader:
@@ -188,6 +193,13 @@ class DataLoader:
             A :class:`~ledger.stream.Stream` drops a failed sample where its shuffle
             buffer hands it on and fills the batch with the next one
             (:class:`ledger.stream.pipeline.StreamPipeline`).
+        copy_below_bytes: with workers, a batch's CPU tensors of fewer bytes (default
+            256 KiB) reach the main process by value, copied through the data queue's
+            pipe with the batch, instead of through a shared-memory file each as torch
+            sends them (:mod:`ledger.transport`: a few hundred µs of CPU per tensor saved
+            on the two sides; a batch of 2 KiB from 2 workers here: 284 against 678 µs).
+            The batch's values, dtypes and shapes are the same; such a tensor is not in
+            shared memory. ``0``: torch's way for every tensor.
 
     Raises:
         UnsupportedArgument: (a ``ValueError``) for an argument ledger cannot honour
@@ -232,6 +244,7 @@ class DataLoader:
         storage_options: dict[str, Any] | None = None,
         verify_data: bool = False,
         on_error: str = "raise",
+        copy_below_bytes: int = transport.COPY_BELOW_BYTES,
     ) -> None:
         self._verify_data = verify_data
         self._collate_fn = collate_fn
@@ -267,6 +280,7 @@ class DataLoader:
                 f"rank={rank} is outside world_size={world_size}: pass 0 <= rank < world_size"
             )
         num_workers = torch_args.count("num_workers", num_workers, 0)
+        copy_below_bytes = torch_args.count("copy_below_bytes", copy_below_bytes, 0)
         prefetch_factor, timeout = torch_args.worker_options(num_workers, prefetch_factor, timeout)
         if not isinstance(log, Ledger) and (
             not isinstance(log, (str, os.PathLike)) or not str(os.fspath(log)).strip()
@@ -314,7 +328,9 @@ class DataLoader:
         torch_kwargs: dict[str, Any] = {
             "pin_memory": pin_memory,
             "timeout": timeout,
-            "worker_init_fn": _worker_init(worker_init_fn, multiprocessing_context),
+            "worker_init_fn": _worker_init(
+                worker_init_fn, multiprocessing_context, copy_below_bytes
+            ),
             "multiprocessing_context": multiprocessing_context,
             "generator": generator,
             "prefetch_factor": prefetch_factor,

@@ -126,7 +126,7 @@ def test_without_stop_loaders_the_loader_keeps_going(tmp_path):
 def test_spawned_workers_learn_the_handled_signals_from_the_pickled_init():
     from ledger.loader import _WorkerInit
 
-    init = _WorkerInit(None, os.getpid(), check=False)
+    init = _WorkerInit(None, os.getpid(), check=False, copy_below=0)
     with ledger.preemption.handle():
         spawned = pickle.loads(pickle.dumps(init))  # what a spawned worker receives
     assert spawned.ignore == {signal.SIGTERM, signal.SIGUSR1}

@@ -34,12 +34,16 @@ belong in a report, never in a test):
 6. The manifest's share of a commit (:mod:`ledger.manifest`): rank 0 writing a marker
    (rank table, manifest, marker) at 1, 1,000 and 10,000 ranks, against the manifest's
    part alone (``--manifest`` runs only this).
+7. With ``--transport`` instead: how a batch of one tensor reaches the main process from
+   2 workers, through shared memory (torch) or by value (:mod:`ledger.transport`), at
+   sizes from 2 KiB to 2 MiB (:func:`transport_table`).
 
 Example:
     python tools/bench.py            # the full run (about 8-10 minutes on 2 cores)
     python tools/bench.py --audit    # the audit of 10^8 events (about 2 minutes)
     python tools/bench.py --quick    # a smaller run (about 1 minute)
     python tools/bench.py --manifest # the manifest's cost on the commit path (seconds)
+    python tools/bench.py --transport # small tensors by value vs shared memory (~1 minute)
     python tools/bench.py --stream   # only the Stream rows (about 3 minutes)
     python tools/bench.py --ttfb     # only the time-to-first-batch rows (about 30 seconds)
 """
@@ -89,6 +93,7 @@ TORCH = "torch DataLoader"
 LEDGER = "ledger (default: rng='batch', digest)"
 LEDGER_SAMPLE = "ledger (rng='sample')"
 LEDGER_BARE = "ledger (rng='off', digest=False)"
+LEDGER_SHM = "ledger (copy_below_bytes=0: torch's transport)"
 STATEFUL = "torchdata StatefulDataLoader"
 
 
@@ -189,6 +194,9 @@ def _factories() -> dict[str, tuple[Callable[[Config, int, str], Any], bool]]:
         LEDGER: (_ledger_loader(), True),
         LEDGER_SAMPLE: (_ledger_loader(rng="sample"), True),
         LEDGER_BARE: (_ledger_loader(rng="off", digest=False), True),
+        # The defaults but every tensor through shared memory, as torch sends it: ledger's
+        # own cost next to torch's, without the small tensors' copy (ledger.transport).
+        LEDGER_SHM: (_ledger_loader(copy_below_bytes=0), True),
     }
     if StatefulDataLoader is not None:
         out[STATEFUL] = (_stateful_loader, False)
@@ -226,10 +234,12 @@ def throughput(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, i
         for make, _ in factories.values():
             _epoch_seconds(partial(make, tiny, nw, roots.new()))
     for nw in cfg.workers:
-        totals = {name: lockstep.Timed() for name in names}
+        # Without workers nothing crosses processes: the transport changes nothing.
+        here = [name for name in names if nw > 0 or name != LEDGER_SHM]
+        totals = {name: lockstep.Timed() for name in here}
         for r in range(cfg.repeats):
             # Rotate the order so that no loader always runs first (cold caches, turbo).
-            rotated = names[r % len(names) :] + names[: r % len(names)]
+            rotated = here[r % len(here) :] + here[: r % len(here)]
             if not cfg.sequential:
                 makes = {n: partial(factories[n][0], cfg, nw, roots.new()) for n in rotated}
                 lockstep.add_epoch(
@@ -699,6 +709,64 @@ def manifest_cost(base: str, worlds: tuple[int, ...] = (1, 1000, 10_000), repeat
     return t
 
 
+class _Rows:
+    """Map-style dataset whose every sample is one float32 tensor of ``row`` elements."""
+
+    def __init__(self, row: int) -> None:
+        self.x = torch.zeros(row, dtype=torch.float32)
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.x
+
+
+def _copy_small(limit: int, _worker: int) -> None:
+    from ledger import transport
+
+    transport.install(limit)
+
+
+def transport_table(
+    batch_kib: tuple[int, ...] = (2, 4, 64, 128, 256, 768, 2048),
+    workers: int = 2,
+    repeats: int = 3,
+) -> Table:
+    """torch's DataLoader (batch 64, ``workers`` workers) with every tensor sent through
+    shared memory, as torch does, against the same loader whose workers send tensors below
+    the batch's size by value (:func:`ledger.transport.install`): µs per batch, median of
+    ``repeats`` runs of up to 1,500 batches (fewer for large ones), the two alternated."""
+    t = Table(
+        title=f"7. Worker to main process: a batch of one float32 tensor, {workers} workers, "
+        f"µs per batch (median of {repeats})"
+    )
+    for col in ("batch KiB", "shared memory (torch)", "by value (ledger.transport)", "ratio"):
+        t.add_column(col, justify="right")
+    for kib in batch_kib:
+        row = max(1, kib * 1024 // 4 // 64)
+        n = int(min(1500, 3e8 / (row * 4 * 64)))
+        res: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(repeats):
+            for by_value in (False, True):
+                loader = tud.DataLoader(
+                    _Rows(row),
+                    batch_size=64,
+                    num_workers=workers,
+                    worker_init_fn=partial(_copy_small, (kib + 1) * 1024 if by_value else 0),
+                )
+                it = iter(loader)
+                next(it)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    next(it)
+                res[by_value].append((time.perf_counter() - t0) / n * 1e6)
+                del it
+        shm, copied = statistics.median(res[False]), statistics.median(res[True])
+        t.add_row(f"{kib:,}", f"{shm:,.0f}", f"{copied:,.0f}", f"{copied / shm:.2f}")
+    return t
+
+
 def digest_table(cfg: Config, d: dict[str, float]) -> Table:
     t = Table(
         title=f"4. The digest's CPU cost per batch of {cfg.batch_size} (µs, best of 3 means of "
@@ -794,6 +862,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None, str |
         "--bytes",
         action="store_true",
         help="only the bytes-per-event rows (table 3) and their goal",
+    )
+    p.add_argument(
+        "--transport",
+        action="store_true",
+        help="instead: only the worker-to-main transport of small tensors (table 7)",
     )
     p.add_argument(
         "--manifest",
@@ -900,6 +973,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args[:1] == ["--manifest"]:
         Console(width=120).print(manifest_cost(tempfile.gettempdir()))
+        return
+    if args[:1] == ["--transport"]:
+        Console(width=120).print(transport_table())
+        console_load = os.getloadavg()[0]
+        Console(width=120).print(f"load average at the end: {console_load:.2f}")
         return
     cfg, tmpdir, only = parse_args(argv)
     console = Console()

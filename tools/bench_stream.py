@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import lockstep
@@ -188,7 +189,9 @@ def throughput(
     ``sequential``, best of R epochs each timed alone, repeats interleaved."""
     how = f"best of {repeats}" if sequential else f"{repeats} lockstep epochs"
     t = Table(title=f"Stream throughput, default arguments, shuffle buffer {BUFFER}, {how}")
-    for col in ("packing", "workers", "plain IterableDataset b/s", "ledger Stream b/s", "ratio"):
+    cols = ("packing", "workers", "plain IterableDataset b/s", "ledger Stream b/s", "ratio",
+            "ledger, torch's transport b/s", "ratio ")  # fmt: skip
+    for col in cols:
         t.add_column(col, justify="left" if col == "packing" else "right")
     count = 0
     ratios: dict[tuple[bool, int], float] = {}
@@ -201,23 +204,30 @@ def throughput(
                     PlainStream(paths, bs, packed, 0), batch_size=None, num_workers=nw
                 )
 
-            def ours(nw: int = nw, packed: bool = packed, bs: int = bs) -> ledger.DataLoader:
+            def ours(
+                nw: int = nw, packed: bool = packed, bs: int = bs, **options: Any
+            ) -> ledger.DataLoader:
                 nonlocal count
                 count += 1
                 root = os.path.join(tmp, f"root-{count}")
                 return ledger.DataLoader(
-                    _stream(paths, packed), batch_size=bs, shuffle=True, log=root, num_workers=nw
-                )
+                    _stream(paths, packed), batch_size=bs, shuffle=True, log=root,
+                    num_workers=nw, **options,
+                )  # fmt: skip
 
-            rate = {"plain": 0.0, "ledger": 0.0}
-            totals = {"plain": lockstep.Timed(), "ledger": lockstep.Timed()}
+            # With workers, also the defaults but every tensor through shared memory, as
+            # the plain stream's are (ledger.transport): ledger's own cost next to it.
+            loaders: list[tuple[str, Any]] = [("plain", plain), ("ledger", ours)]
+            if nw > 0:
+                loaders.append(("shm", partial(ours, copy_below_bytes=0)))
+            rate = {name: 0.0 for name, _ in loaders}
+            totals = {name: lockstep.Timed() for name, _ in loaders}
             for r in range(repeats):
-                pair = [("plain", plain), ("ledger", ours)]
-                pair = pair if r % 2 == 0 else pair[::-1]
+                turn = loaders[r % len(loaders) :] + loaders[: r % len(loaders)]
                 if not sequential:
                     lockstep.add_epoch(
                         totals,
-                        dict(pair),
+                        dict(turn),
                         nw,
                         lambda name, t, r=r, nw=nw, packed=packed: con.print(
                             f"stream packed={packed} nw={nw} lockstep {r + 1} {name}: "
@@ -225,7 +235,7 @@ def throughput(
                         ),
                     )
                     continue
-                for name, make in pair:
+                for name, make in turn:
                     secs, n = _epoch(make)
                     rate[name] = max(rate[name], n / secs)
                     con.print(
@@ -234,12 +244,15 @@ def throughput(
             if not sequential:
                 rate = {name: timed.rate for name, timed in totals.items()}
             ratios[packed, nw] = rate["ledger"] / rate["plain"]
+            shm = rate.get("shm")
             t.add_row(
                 "on" if packed else "off",
                 str(nw),
                 f"{rate['plain']:,.1f}",
                 f"{rate['ledger']:,.1f}",
                 f"{rate['ledger'] / rate['plain']:.3f}",
+                f"{shm:,.1f}" if shm else "-",
+                f"{shm / rate['plain']:.3f}" if shm else "-",
             )
     return t, ratios
 
