@@ -89,7 +89,7 @@ def _by_value(limit: int, t: torch.Tensor) -> bool:
         and _use_count is not None
         # The tensor's impl and the wrapper made here: no other tensor shares the storage.
         and _use_count(t.untyped_storage()._cdata) <= 2
-        # A named tensor (torch < 2.13 has them) keeps its names torch's way.
+        # A named tensor (a prototype of older torch releases) keeps its names torch's way.
         and not any(getattr(t, "names", None) or ())
     )
 

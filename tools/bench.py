@@ -975,9 +975,9 @@ def main(argv: list[str] | None = None) -> None:
         Console(width=120).print(manifest_cost(tempfile.gettempdir()))
         return
     if args[:1] == ["--transport"]:
-        Console(width=120).print(transport_table())
-        console_load = os.getloadavg()[0]
-        Console(width=120).print(f"load average at the end: {console_load:.2f}")
+        out = Console(width=120)
+        out.print(transport_table())
+        out.print(f"load average at the end: {os.getloadavg()[0]:.2f}")
         return
     cfg, tmpdir, only = parse_args(argv)
     console = Console()
