@@ -5,8 +5,8 @@ belong in a report, never in a test):
 
 1. Throughput: batches/s over full epochs of a trivial map-style dataset
    (``dataset[i] == i``), R epochs of every loader run in lockstep (``tools/lockstep.py``:
-   all loaders alive at once, taking turns of 0.1 s, 0.5 s with workers, the order
-   rotating), so that every loader is timed under the same conditions as the others:
+   all loaders alive at once, taking turns of 0.1 s, 0.5 s with workers (``--turn S``: S
+   seconds for both), the order rotating), so that every loader is timed under the same conditions as the others:
    this machine's speed moves by up to 2x within minutes, which epochs timed one loader at
    a time cannot separate from a few percent (``--sequential``: best of R such epochs,
    repeats interleaved and their order rotated). Every loader is constructed, iterated for
@@ -46,6 +46,7 @@ Example:
     python tools/bench.py --transport # small tensors by value vs shared memory (~1 minute)
     python tools/bench.py --stream   # only the Stream rows (about 3 minutes)
     python tools/bench.py --ttfb     # only the time-to-first-batch rows (about 30 seconds)
+    python tools/bench.py --turn 0.5 # lockstep turns of 0.5 s at 0 workers too
 """
 
 from __future__ import annotations
@@ -271,7 +272,11 @@ def throughput(cfg: Config, roots: Roots, console: Console) -> dict[tuple[str, i
 def throughput_table(cfg: Config, best: dict[tuple[str, int], float], title: str) -> Table:
     t = Table(
         title=f"{title}: one epoch, N={cfg.n:,}, batch {cfg.batch_size}, shuffle, "
-        + (f"best of {cfg.repeats}" if cfg.sequential else f"{cfg.repeats} lockstep epochs")
+        + (
+            f"best of {cfg.repeats}"
+            if cfg.sequential
+            else f"{cfg.repeats} lockstep epochs ({lockstep.turns_said()})"
+        )
     )
     for col in (
         "loader",
@@ -843,6 +848,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None, str |
         help="throughput as best of R epochs each timed alone (repeats interleaved) instead "
         "of R lockstep epochs (tools/lockstep.py)",
     )
+    p.add_argument(
+        "--turn",
+        type=float,
+        help="lockstep turn in seconds for every worker count (default 0.1 without "
+        "workers, 0.5 with; tools/lockstep.py)",
+    )
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     p.add_argument("--bytes-n", type=int, default=1_000_000, help="dataset length for 3")
     p.add_argument("--commit-every", type=int, default=1000, help="batches between commits in 3")
@@ -879,6 +890,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str | None, str |
         help="instead: audit a log of 10^8 events (tools/bench_audit.py; --root DIR after it)",
     )
     a = p.parse_args(argv)
+    if a.turn is not None:
+        if not a.turn > 0:
+            p.error("--turn must be a positive number of seconds")
+        lockstep.TURN_S = a.turn
     only = "stream" if a.stream else "ttfb" if a.ttfb else "bytes" if a.bytes else None
     cfg = Config(
         n=a.n or (200_000 if a.quick else 1_000_000),

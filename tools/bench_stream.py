@@ -187,7 +187,11 @@ def throughput(
     """The table, and ledger's ratio to the plain stream by (packing, workers): R epochs of
     both run in lockstep (``tools/lockstep.py``), batches over seconds; with
     ``sequential``, best of R epochs each timed alone, repeats interleaved."""
-    how = f"best of {repeats}" if sequential else f"{repeats} lockstep epochs"
+    how = (
+        f"best of {repeats}"
+        if sequential
+        else f"{repeats} lockstep epochs ({lockstep.turns_said()})"
+    )
     t = Table(title=f"Stream throughput, default arguments, shuffle buffer {BUFFER}, {how}")
     cols = ("packing", "workers", "plain IterableDataset b/s", "ledger Stream b/s", "ratio",
             "ledger, torch's transport b/s", "ratio ")  # fmt: skip

@@ -67,9 +67,24 @@ def add_epoch(
         say(name, timed)
 
 
+TURN_S: float | None = None
+"""The turn's length in seconds for every worker count (``tools/bench.py --turn``);
+``None``: :func:`turn`'s defaults."""
+
+
 def turn(num_workers: int) -> float:
-    """The turn's length in seconds for loaders with ``num_workers`` workers."""
+    """The turn's length in seconds for loaders with ``num_workers`` workers:
+    :data:`TURN_S` if set, else 0.1 without workers and 0.5 with."""
+    if TURN_S is not None:
+        return TURN_S
     return 0.1 if num_workers == 0 else 0.5
+
+
+def turns_said() -> str:
+    """The turns' length in words, for a table's title."""
+    if TURN_S is not None:
+        return f"turns of {TURN_S:g} s"
+    return f"turns of {turn(0):g} s, {turn(1):g} s with workers"
 
 
 def settle() -> float:
