@@ -6,12 +6,13 @@ belong in a report, never in a test):
 1. Throughput: batches/s over full epochs of a trivial map-style dataset
    (``dataset[i] == i``), R epochs of every loader run in lockstep (``tools/lockstep.py``:
    all loaders alive at once, taking turns of 0.1 s, 0.5 s with workers (``--turn S``: S
-   seconds for both), the order rotating), so that every loader is timed under the same conditions as the others:
-   this machine's speed moves by up to 2x within minutes, which epochs timed one loader at
-   a time cannot separate from a few percent (``--sequential``: best of R such epochs,
-   repeats interleaved and their order rotated). Every loader is constructed, iterated for
-   one epoch and, where it can checkpoint, asked for its ``state_dict()`` once, all inside
-   its timed turns. The ledger loaders log to a fresh root each repeat: with the default
+   seconds for both), the order rotating), so that every loader is timed under the same
+   conditions as the others: this machine's speed moves by up to 2x within minutes, which
+   epochs timed one loader at a time cannot separate from a few percent
+   (``--sequential``: best of R such epochs, repeats interleaved and their order
+   rotated). Every loader is constructed, iterated for one epoch and, where it can
+   checkpoint, asked for its ``state_dict()`` once, all inside its timed turns. The ledger
+   loaders log to a fresh root each repeat: with the default
    arguments (``rng="batch"``, digest on), with per-sample seeding (``rng="sample"``), and
    bare (``rng="off", digest=False``).
    1b: the same for a HF ``datasets.Dataset`` of 50,000 rows in torch format (fetched
