@@ -28,8 +28,12 @@ load_sample`); ``"batch"`` and ``"off"`` leave them alone.
 A dataset with ``__getitems__`` (HF ``datasets.Dataset``, ``torch.utils.data.Subset``)
 is always fetched a batch at a time: one ``__getitems__`` call per batch. Its batch code
 runs once, so it is seeded once per batch in the ``"sample"`` mode too (with the batch
-seed). A :class:`ledger.Mixture` with such a source has a ``__getitems__`` too (one call
-per source of the batch, :meth:`ledger.mixture.Mixture._getitems`).
+seed). What it returns goes to ``collate_fn`` unchanged, as torch's DataLoader hands it
+(a list of samples, torch's documented contract, or e.g. a dict of columns or an
+already-batched tensor); a list must hold one sample per id. A :class:`ledger.Mixture`
+with such a source has a ``__getitems__`` too (one call per source of the batch,
+:meth:`ledger.mixture.Mixture._getitems`), which interleaves the sources' samples and so
+needs each source's to return a list.
 Bad samples (``DataLoader(on_error="skip")``, :func:`load_batch`): a sample whose
 loading raises is left out and reported as a :class:`Failure`; a batched
 ``__getitems__`` that raises is retried one sample at a time after re-seeding as before
@@ -153,7 +157,7 @@ def load_batch(
     skip_errors: bool,
     collate: Callable[[list[Any]], Any] | None = None,
     known_seed: int | None = None,
-) -> tuple[list[Any], list[Failure], Any]:
+) -> tuple[Any, list[Failure], Any]:
     """Fetch one batch with the run's RNG mode and collate it, under the same seeds.
 
     The collate function runs inside the seeded block, so a collate that draws (random
@@ -184,20 +188,24 @@ def load_batch(
             computed here.
 
     Returns:
-        ``(samples, failures, data)``: the samples that loaded, in batch order; the
+        ``(samples, failures, data)``: the samples that loaded, in batch order (a list;
+        or what a ``__getitems__`` returned, unchanged, when it did not raise); the
         failures in batch order (``[]`` without ``skip_errors``); ``collate(samples)``,
         or ``None`` without ``collate`` or without samples.
 
     Raises:
+        UnsupportedArgument: if ``__getitems__`` returned a list of another length than
+            ``ids``, or with ``skip_errors``, retried one id at a time, not a list of one
+            sample.
         Exception: whatever the dataset or ``collate`` raised, without ``skip_errors``
             (and ``BaseException`` such as ``KeyboardInterrupt`` always).
     """
     id_list = ids.tolist()
     getitems = batch_getter(dataset)
 
-    def block(reseed: Callable[[], Any] | None) -> tuple[list[Any], list[Failure], Any]:
+    def block(reseed: Callable[[], Any] | None) -> tuple[Any, list[Failure], Any]:
         samples, failures = _fetch(dataset, getitems, id_list, skip_errors, reseed)
-        return samples, failures, collate(samples) if collate is not None and samples else None
+        return samples, failures, _collated(collate, samples)
 
     if rng == "off":
         return block(None)
@@ -218,7 +226,16 @@ def load_batch(
                 if not skip_errors:
                     raise
                 failures.append(failure_of(i, e))
-        return samples, failures, collate(samples) if collate is not None and samples else None
+        return samples, failures, _collated(collate, samples)
+
+
+def _collated(collate: Callable[[Any], Any] | None, samples: Any) -> Any:
+    """``collate(samples)``; ``None`` without ``collate`` or when no sample loaded (an
+    empty list: every one failed). ``samples`` may be what a ``__getitems__`` returned
+    that is not a list (a dict of columns, a tensor), which is not asked for its truth."""
+    if collate is None or (isinstance(samples, list) and not samples):
+        return None
+    return collate(samples)
 
 
 def load_in_loop(
@@ -371,23 +388,36 @@ def _fetch(
     id_list: list[int],
     skip_errors: bool,
     reseed: Callable[[], Any] | None,
-) -> tuple[list[Any], list[Failure]]:
+) -> tuple[Any, list[Failure]]:
     """Fetch the batch (seeded by the caller); ``reseed`` re-seeds as before the batch
-    for the one-by-one retry of a ``__getitems__`` that raised (``None``: not seeded)."""
+    for the one-by-one retry of a ``__getitems__`` that raised (``None``: not seeded).
+
+    Returns:
+        ``(samples, failures)``: a list of the samples that loaded, or, from a
+        ``__getitems__`` that did not raise, whatever it returned (for ``collate_fn``,
+        unchanged, as torch's fetch passes it).
+
+    Raises:
+        UnsupportedArgument: if ``__getitems__`` returned a list of another length than
+            the ids (the log would name samples the model never got), or, when it is
+            retried one id at a time (``on_error="skip"``), returned something other than
+            a list of one sample.
+        Exception: whatever the dataset raised, without ``skip_errors``.
+    """
     if getitems is not None:
         try:
-            got = list(getitems(id_list))
+            got = getitems(id_list)
         except Exception:
             if not skip_errors:
                 raise
         else:
-            if len(got) == len(id_list):
+            if not isinstance(got, list) or len(got) == len(id_list):
                 return got, []
             # The log would name samples the model never got (or not name ones it got).
             if not skip_errors:
                 raise UnsupportedArgument(
                     f"the dataset's __getitems__ returned {len(got)} items for "
-                    f"{len(id_list)} ids: it must return one item per id, in order"
+                    f"{len(id_list)} ids: a list must hold one sample per id, in order"
                 )
         if reseed is not None:  # the per-sample retry draws as if it came first
             reseed()
@@ -397,9 +427,31 @@ def _fetch(
     failures: list[Failure] = []
     for i, sid in enumerate(id_list):
         try:
-            samples.append(getitems([sid])[0] if getitems is not None else dataset[sid])
+            sample = dataset[sid] if getitems is None else _one(getitems([sid]))
+        except UnsupportedArgument:
+            raise
         except Exception as e:
             if not skip_errors:
                 raise
             failures.append(failure_of(i, e))
+        else:
+            samples.append(sample)
     return samples, failures
+
+
+def _one(got: Any) -> Any:
+    """The sample of a ``__getitems__([i])`` retried alone (``on_error="skip"``).
+
+    Raises:
+        UnsupportedArgument: if it is not a list of one sample: a batch of another shape
+            (a dict of columns, a tensor) cannot be split into the samples that loaded.
+    """
+    if isinstance(got, list) and len(got) == 1:
+        return got[0]
+    raise UnsupportedArgument(
+        "on_error='skip' retries a failed __getitems__ one id at a time and needs it to "
+        f"return a list of one sample, got {type(got).__name__}"
+        + (f" of {len(got)} items" if isinstance(got, list) else "")
+        + ": return a list of samples (torch's Dataset.__getitems__ contract), or "
+        "use on_error='raise'"
+    )

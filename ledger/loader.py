@@ -10,9 +10,11 @@ recorded, and after a resume they are simply produced again.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
+import operator
 import os
 import signal
 import sys
@@ -103,6 +105,41 @@ def _worker_init(fn: Callable[[int], None] | None, context: Any, copy_below: int
     )
     # With fork and spawn the main process is the parent; a forkserver is not.
     return _WorkerInit(fn, os.getpid(), method in ("fork", "spawn"), copy_below)
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as an int if it is an integer (numpy's too, through ``__index__``), not a
+    bool; else ``None``."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+_TORCH_FRAMES = (
+    os.path.dirname(tud.__file__) + os.sep,  # torch.utils.data: the iterator, its fetch
+    os.path.splitext(torch._utils.__file__)[0],  # ExceptionWrapper.reraise
+)
+
+
+def _clear_torch_frames(tb: Any) -> None:
+    """Clear the locals of torch's finished frames in ``tb``.
+
+    torch re-raises a worker's exception from ``ExceptionWrapper.reraise``, whose frame
+    holds the exception in a local: exception, traceback and frame form a reference cycle
+    through every frame of the traceback, the loader's iteration included, so a dropped
+    loader (its journal's file descriptor, its workers) would wait for a garbage
+    collection. Frames still running (the loader's own) cannot be cleared and are kept;
+    the dataset's frames are not torch's and keep their locals for a post-mortem.
+    """
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.startswith(_TORCH_FRAMES):
+            with contextlib.suppress(RuntimeError):  # a frame still executing
+                frame.clear()
+        tb = tb.tb_next
 
 
 class DataLoader:
@@ -321,6 +358,7 @@ class DataLoader:
         # left set by an exception in between (see _check_torn).
         self._torn: int | None = None
         self._iter_epoch: int | None = None
+        self._live: Any = None  # the torch iterator of the epoch being served, if any
         # A private generator: torch draws each iterator's base seed from it, so the
         # loader never consumes the training loop's global torch RNG.
         generator = torch.Generator()
@@ -447,6 +485,7 @@ class DataLoader:
 
     def _check_generation(self, generation: int) -> None:
         if generation != self._generation:
+            self._check_open()  # close() moves the generation too
             raise LedgerError(
                 "this iterator was invalidated by load_state_dict() or a newer "
                 "iter(loader); iterate the loader again"
@@ -456,7 +495,7 @@ class DataLoader:
         start_epoch = self._state.epoch
         pipeline = self._pipeline
         append = self._ledger.append
-        iterator = iter(batches)
+        iterator = self._live = iter(batches)
         try:
             while True:
                 if self._planned and generation == self._generation and self._due():
@@ -466,7 +505,7 @@ class DataLoader:
                     self._skip_due()
                     if self._state.epoch != start_epoch:
                         return  # the skip finished the epoch
-                    iterator = iter(pipeline.begin(self._state))
+                    iterator = self._live = iter(pipeline.begin(self._state))
                 try:
                     item = next(iterator, None)
                 except RuntimeError as e:  # PEP 479: a StopIteration inside a generator
@@ -474,6 +513,7 @@ class DataLoader:
                         raise _stopped_early(self._state) from e.__cause__
                     raise
                 if item is None:
+                    self._check_open()  # workers close() shut down end torch's iterator
                     break
                 tag, data = item
                 self._check_generation(generation)
@@ -487,21 +527,31 @@ class DataLoader:
                 yield data
             if generation == self._generation:
                 pipeline.finish(self._state, start_epoch)
-        except BaseException:
+        except BaseException as e:
             # Left by an error or dropped mid-epoch (GeneratorExit): end torch's workers
             # now. An exception's traceback holds torch's iterator, so a reference cycle
             # would keep them alive until a garbage collection, which then waits on them.
-            self._stop(iterator)
+            failed = not isinstance(e, GeneratorExit)
+            self._stop(iterator, failed=failed)
+            if failed:
+                _clear_torch_frames(e.__traceback__)
             raise
         finally:
+            if self._live is iterator:
+                self._live = None
             if generation == self._generation:
                 self._iter_epoch = None
 
-    def _stop(self, iterator: Any) -> None:
+    def _stop(self, iterator: Any, failed: bool = False) -> None:
         """Shut down the workers of a torch iterator whose prefetched batches no one will
-        take (persistent workers are kept: torch resets them on the next ``iter``)."""
-        if getattr(self._torch_loader, "persistent_workers", False):
-            return
+        take. Persistent workers are kept (torch resets them on the next ``iter``) unless
+        the iteration ``failed``: then they end too, and the next ``iter`` starts new ones."""
+        torch_loader = self._torch_loader
+        if getattr(torch_loader, "persistent_workers", False):
+            if not failed:
+                return
+            iterator = getattr(torch_loader, "_iterator", None)
+            torch_loader._iterator = None
         shutdown = getattr(iterator, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
@@ -525,18 +575,20 @@ class DataLoader:
 
         Idempotent. Events appended since the last commit stay in the journal (crash
         forensics) and are not committed: call :meth:`state_dict` first to commit them.
-        Iterating, :meth:`state_dict` and :meth:`load_state_dict` raise ``LedgerError``
-        afterwards.
+        Iterating (an iterator already live included: its next batch), :meth:`state_dict`
+        and :meth:`load_state_dict` raise ``LedgerError`` afterwards; the live iterator's
+        workers end here.
         """
         self._closed = True
-        self._generation += 1  # a live iterator stops at its next batch
+        self._generation += 1  # a live iterator raises at its next batch
         self._iter_epoch = None
-        iterator = getattr(self._pipeline.torch_loader, "_iterator", None)
-        if iterator is not None:
+        torch_loader = self._pipeline.torch_loader
+        for iterator in (getattr(torch_loader, "_iterator", None), self._live):
             shutdown = getattr(iterator, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
-            self._pipeline.torch_loader._iterator = None
+        torch_loader._iterator = None
+        self._live = None
         self._ledger.close()
 
     def __enter__(self) -> DataLoader:
@@ -656,10 +708,11 @@ class DataLoader:
         self._check_torn()
         if (batches is None) == (steps is None):
             raise ValueError("skip() takes a number of batches or steps=, not both or neither")
-        if batches is not None and (
-            not isinstance(batches, int) or isinstance(batches, bool) or batches < 1
-        ):
-            raise ValueError(f"skip() takes a number of batches >= 1, got {batches!r}")
+        if batches is not None:
+            number = _whole(batches)
+            if number is None or number < 1:
+                raise ValueError(f"skip() takes an int number of batches >= 1, got {batches!r}")
+            batches = number
         if not isinstance(reason, str) or not reason.strip():
             raise ValueError("skip() needs a reason for the record, e.g. reason='loss spike'")
         self._ensure_started()
@@ -690,9 +743,10 @@ class DataLoader:
         planned = list(self._planned)
         for pair in pairs:
             ok = isinstance(pair, tuple | list) and len(pair) == 2
-            if not ok or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair):
+            ends = [_whole(v) for v in pair] if ok else []
+            start, stop = ends if len(ends) == 2 else (None, None)
+            if start is None or stop is None:
                 raise ValueError(f"steps= takes (start, stop) pairs of ints, got {pair!r}")
-            start, stop = int(pair[0]), int(pair[1])
             if not 0 <= start < stop:
                 raise ValueError(f"steps [{start}, {stop}) is empty or negative")
             if stop <= self._state.batch:
@@ -791,8 +845,10 @@ class DataLoader:
             raise ValueError(
                 "load_state_dict(skip_batches=... or skip_steps=...) needs a reason for the record"
             )
-        if not isinstance(skip_batches, int) or isinstance(skip_batches, bool) or skip_batches < 0:
+        number = _whole(skip_batches)
+        if number is None or number < 0:
             raise ValueError(f"skip_batches must be an int >= 0, got {skip_batches!r}")
+        skip_batches = number
         token = _check_token(state_dict)
         self._token_commits = {}  # the token's commit, read once (markers are immutable)
         moved = _normal_root(token["root"]) != self._ledger.root

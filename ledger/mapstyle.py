@@ -292,10 +292,11 @@ class _CheckAhead:
 
 def dataset_len(dataset: Any) -> int:
     """``len(dataset)``, or an :class:`UnsupportedArgument` saying what ``__len__`` gave
-    (Python's own error for a negative or non-integer length names no dataset)."""
+    or raised, chained to it (Python's own error for a negative or non-integer length
+    names no dataset)."""
     try:
         return len(dataset)
-    except (TypeError, ValueError, OverflowError) as e:
+    except Exception as e:  # TypeError: no __len__; ValueError: negative; or the dataset's
         raise UnsupportedArgument(
             f"len() of the dataset ({type(dataset).__name__}) failed: {e}; a map-style "
             "dataset's __len__ returns its number of samples, an int >= 0"

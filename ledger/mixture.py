@@ -273,6 +273,8 @@ class Mixture:
 
         Raises:
             IndexError: for a flat id outside the sources.
+            UnsupportedArgument: if a source's ``__getitems__`` returns anything but a
+                list of one sample per id (the samples of the sources are interleaved).
             Exception: whatever a source raised.
         """
         flat = np.asarray(flats, np.int64)
@@ -287,6 +289,13 @@ class Mixture:
             wanted = ids[rows].tolist()
             getitems = batch_getter(source)
             got = getitems(wanted) if getitems is not None else [source[i] for i in wanted]
+            if not isinstance(got, list) or len(got) != len(wanted):
+                raise UnsupportedArgument(
+                    f"the __getitems__ of mixture source {self.names[s]!r} returned "
+                    + (f"{len(got)} items" if isinstance(got, list) else type(got).__name__)
+                    + f" for {len(wanted)} ids: a mixture interleaves its sources' samples, "
+                    "so it needs a list of one sample per id, in order"
+                )
             for row, item in zip(rows, got, strict=True):
                 out[row] = item
         return out

@@ -144,6 +144,7 @@ def _check_dataset(dataset: Any) -> None:
 def _from_sampler(sampler: Any, dataset: Any) -> tuple[bool, int | None, int | None, int | None]:
     """``(shuffle, seed, rank, world_size)`` a torch sampler stands for, or a refusal."""
     if isinstance(sampler, tud.SequentialSampler):
+        _check_sampled_length(sampler, sampler.data_source, dataset)
         return False, None, None, None
     if isinstance(sampler, tud.RandomSampler):
         if sampler.replacement or sampler.num_samples != len(dataset):
@@ -157,6 +158,7 @@ def _from_sampler(sampler: Any, dataset: Any) -> tuple[bool, int | None, int | N
             seed = _generator_seed(sampler.generator, "RandomSampler's generator")
         return True, seed, None, None
     if isinstance(sampler, tud.DistributedSampler):
+        _check_sampled_length(sampler, sampler.dataset, dataset)
         return (
             bool(sampler.shuffle),
             int(sampler.seed) & _SEED_MASK,
@@ -174,6 +176,26 @@ def _from_sampler(sampler: Any, dataset: Any) -> tuple[bool, int | None, int | N
         "permutation it can recompute at any position (that is what makes a resume exact "
         f"without replaying the epoch), and cannot recompute another sampler's order; {hint}"
     )
+
+
+def _check_sampled_length(sampler: Any, source: Any, dataset: Any) -> None:
+    """Refuse a sampler over a source of another length than the loader's dataset: it
+    orders ``range(len(source))``, which ledger's order over the dataset is not.
+
+    Raises:
+        UnsupportedArgument: naming both lengths.
+    """
+    try:
+        n = len(source)
+    except TypeError:
+        return  # no length to compare; the sampler iterates the dataset's indices
+    if n != len(dataset):
+        name = type(sampler).__name__
+        raise UnsupportedArgument(
+            f"{name} over {n} samples for a dataset of {len(dataset)}: ledger orders every "
+            "index of the dataset; to serve part of it, pass "
+            "torch.utils.data.Subset(dataset, indices)"
+        )
 
 
 def resolve(

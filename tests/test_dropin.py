@@ -141,6 +141,18 @@ class _Stream(tud.IterableDataset):
         (dict(batch_size=None), "batch_size=None"),
         (dict(batch_size=0), "batch_size must be an int >= 1"),
         (dict(shuffle=True, sampler=tud.SequentialSampler(range(10))), "mutually exclusive"),
+        (
+            dict(sampler=tud.SequentialSampler(range(4))),
+            "SequentialSampler over 4 samples for a dataset of 10.*Subset",
+        ),
+        (
+            dict(batch_sampler=tud.BatchSampler(tud.SequentialSampler(range(4)), 3, False)),
+            "SequentialSampler over 4 samples",
+        ),
+        (
+            dict(sampler=tud.DistributedSampler(range(12), num_replicas=2, rank=0)),
+            "DistributedSampler over 12 samples for a dataset of 10",
+        ),
     ],
 )
 def test_what_cannot_be_exact_is_refused_with_what_to_do(root, kwargs, message):

@@ -193,6 +193,17 @@ class _Len:
         return i
 
 
+class _LenRaises(_Len):
+    """A dataset whose ``__len__`` raises what a lazy or streamed dataset may raise."""
+
+    def __init__(self, error):
+        super().__init__(0)
+        self.error = error
+
+    def __len__(self):
+        raise self.error
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -216,6 +227,8 @@ class _Len:
         ({"dataset": _Len(-1)}, r"len\(\) of the dataset \(_Len\) failed: __len__\(\) should"),
         ({"dataset": _Len(2.5)}, r"len\(\) of the dataset \(_Len\) failed"),
         ({"dataset": _Len(0)}, "an epoch of 0 samples holds no batch"),
+        ({"dataset": _LenRaises(NotImplementedError("streamed"))}, "failed: streamed"),
+        ({"dataset": _LenRaises(RuntimeError("not loaded"))}, "failed: not loaded"),
     ],
 )
 def test_a_bad_argument_is_refused_at_construction(root, kwargs, match):

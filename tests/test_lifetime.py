@@ -6,6 +6,7 @@ import gc
 import logging
 import os
 import time
+import weakref
 
 import psutil
 import pytest
@@ -120,6 +121,60 @@ def test_workers_end_when_an_iteration_raises(root, error):
         assert _wait_until_gone(workers, 10) == set()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_loader_whose_iteration_raised_is_freed_at_del(root, persistent):
+    """After a worker's error, the dropped loader goes at once with its workers (persistent
+    ones too) and its journal: torch's re-raise holds the exception in a frame of its
+    traceback, a cycle through the loader's iteration that only a collection would free."""
+    gc.disable()
+    before, fds = _children(), _open_fds()
+    try:
+        loader = ledger.DataLoader(
+            _FailsAt(64, KeyError("bad sample")), batch_size=4, shuffle=False, log=root,
+            num_workers=2, persistent_workers=persistent,
+        )  # fmt: skip
+        with pytest.raises(KeyError):
+            for _ in loader:
+                pass
+        workers = _children() - before
+        gone = weakref.ref(loader)
+        del loader
+        assert gone() is None
+        assert _wait_until_gone(workers, 10) == set()
+        assert _open_fds() == fds
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_close_ends_a_live_iterator_and_its_workers(root, persistent):
+    """A live iterator's next batch after close() is an error naming the closed loader
+    (not the end of the epoch), and its workers end in close()."""
+    before = _children()
+    loader = ledger.DataLoader(
+        Augmented(64), batch_size=4, log=root, num_workers=2, persistent_workers=persistent
+    )
+    it = iter(loader)
+    next(it)
+    workers = _children() - before
+    assert len(workers) >= 2
+    loader.close()
+    assert _wait_until_gone(workers, 10) == set()
+    with pytest.raises(LedgerError, match="closed"):
+        next(it)
+    with pytest.raises(LedgerError, match="closed"):
+        iter(loader)
+
+
+def test_close_ends_a_live_iterator_without_workers(root):
+    loader = ledger.DataLoader(Augmented(64), batch_size=4, log=root)
+    it = iter(loader)
+    next(it)
+    loader.close()
+    with pytest.raises(LedgerError, match="closed"):
+        next(it)
 
 
 def test_resume_commit_and_reshape_are_logged(root, caplog):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import Augmented
@@ -109,6 +110,10 @@ def test_skip_mid_run_invalidates_the_live_iterator(root):
         run.skip(1, reason=" ")
     with pytest.raises(ValueError, match=">= 1"):
         run.skip(0, reason="x")
+    with pytest.raises(ValueError, match="int number of batches"):
+        run.skip(1.0, reason="x")
+    run.skip(np.int64(1), reason="an int from numpy")  # as the constructor's ints
+    assert run.state.batch == 4
     with pytest.raises(ValueError, match="reason"):
         run.load_state_dict(run.state_dict(), skip_batches=1)
 
@@ -232,7 +237,8 @@ def test_a_planned_range_of_steps_is_skipped_when_reached(tmp_path, workers):
     got = list(take(run, 2))
     older = run.state_dict()  # step 2: before the request
     got += list(take(run, 1))
-    run.skip(steps=range(4, 7), reason="bad shard")  # crosses into epoch 1 (batch 5)
+    # Crosses into epoch 1 (batch 5); numpy's ints as a loss curve's argmax gives them.
+    run.skip(steps=[(np.int64(4), np.int64(7))], reason="bad shard")
     tokens = [(3, run.state_dict())]
     for batch in take(run, 10):
         got.append(batch)

@@ -246,14 +246,15 @@ class IndexFeed:
 
     def _fetch(self, ids: list[int]) -> list[Any]:
         """Items of ``ids`` by one ``__getitems__`` call, or ``None`` each (no batched
-        fetch, or it raised: each is then loaded alone when reached)."""
+        fetch, it raised, or it gave anything but a list of one item per id, such as a dict
+        of columns: each is then loaded alone when reached)."""
         if self._getitems is None:
             return [None] * len(ids)
         try:
-            items = list(self._getitems(ids))
+            items = self._getitems(ids)
         except Exception:
             return [None] * len(ids)
-        if len(items) != len(ids):
+        if not isinstance(items, list) or len(items) != len(ids):
             return [None] * len(ids)
         return [self.source.finish(item) for item in items]
 
