@@ -641,38 +641,50 @@ def object_store_table(cfg: Config, tmpdir: str | None, console: Console) -> Tab
 # ---------------------------------------------------------------------- goals
 
 
-def digest_cost(cfg: Config, repeats: int = 3) -> dict[str, float]:
+def digest_cost(cfg: Config, pairs: int = 7) -> dict[str, float]:
     """µs of CPU per batch: hashing a trivial batch (where it runs: the worker, or the main
-    process at 0 workers; the thread's CPU), and recording a batch with and without its
-    digest (the process's CPU: the main thread's journal record and the segment builder's
-    background encoding); best of ``repeats``, the two recordings alternated so that load
-    hits both alike. CPU time, not wall-clock: on a shared machine the wall-clock of 2,000
-    appends moved by 2x between runs."""
+    process at 0 workers; the thread's CPU, best of 3 means of 2,000), and recording 2,000
+    batches and their commit with and without the digest: the main thread's CPU (the
+    journal's record) and the process's (adding the segment builder's background
+    encoding of the ``batch`` rows and the ``digest`` column). Medians of ``pairs`` pairs,
+    the order alternating; the difference is taken within each pair (the best of each
+    recording alone, taken apart, moved the difference between -1 and 9 µs from run to
+    run). CPU time, not wall-clock: on a shared machine the wall-clock of 2,000 appends
+    moved by 2x between runs."""
     batch = torch.arange(cfg.batch_size)
     n = 2000
     hash_us = math.inf
-    for _ in range(repeats):
+    for _ in range(3):
         t0 = time.thread_time()
         for _ in range(n):
             digest_bytes(batch)
         hash_us = min(hash_us, (time.thread_time() - t0) / n * 1e6)
-    recorded = {False: math.inf, True: math.inf}
-    for _ in range(repeats):
-        for with_digest in (False, True):
-            log = ledger.Ledger(tempfile.mkdtemp(prefix="ledger-bench-digest-"))
-            log.open({"bench": "digest"})
-            log.start(None)
-            ids = np.arange(cfg.batch_size, dtype=np.int64)
-            d = digest_bytes(batch) if with_digest else None
-            t0 = time.process_time()
-            for b in range(n):
-                log.append(EventChunk(SAMPLE, 0, b, 0, b * cfg.batch_size, ids, digest=d))
-            log.commit(PipelineState(0, 0, n, n))  # the encoding of the last row groups
-            us = (time.process_time() - t0) / n * 1e6
-            recorded[with_digest] = min(recorded[with_digest], us)
-            log.close()
-            shutil.rmtree(log.root, ignore_errors=True)
-    return {"hash": hash_us, "record": recorded[False], "record+digest": recorded[True]}
+
+    def record(with_digest: bool) -> tuple[float, float]:
+        log = ledger.Ledger(tempfile.mkdtemp(prefix="ledger-bench-digest-"))
+        log.open({"bench": "digest"})
+        log.start(None)
+        ids = np.arange(cfg.batch_size, dtype=np.int64)
+        d = digest_bytes(batch) if with_digest else None
+        t0, m0 = time.process_time(), time.thread_time()
+        for b in range(n):
+            log.append(EventChunk(SAMPLE, 0, b, 0, b * cfg.batch_size, ids, digest=d))
+        log.commit(PipelineState(0, 0, n, n))  # the encoding of the last row groups
+        process, main = time.process_time() - t0, time.thread_time() - m0
+        log.close()
+        shutil.rmtree(log.root, ignore_errors=True)
+        return process / n * 1e6, main / n * 1e6
+
+    rows: dict[str, list[float]] = {k: [] for k in ("record", "record+digest", "extra", "main")}
+    for i in range(pairs):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        got = {with_digest: record(with_digest) for with_digest in order}
+        rows["record"].append(got[False][0])
+        rows["record+digest"].append(got[True][0])
+        rows["extra"].append(got[True][0] - got[False][0])
+        rows["main"].append(got[True][1] - got[False][1])
+    med = statistics.median
+    return {"hash": hash_us, **{k: med(v) for k, v in rows.items()}}
 
 
 def manifest_cost(base: str, worlds: tuple[int, ...] = (1, 1000, 10_000), repeat: int = 7) -> Table:
@@ -784,14 +796,17 @@ def transport_table(
 
 def digest_table(cfg: Config, d: dict[str, float]) -> Table:
     t = Table(
-        title=f"4. The digest's CPU cost per batch of {cfg.batch_size} (µs, best of 3 means of "
-        "2,000)"
+        title=f"4. The digest's CPU cost per batch of {cfg.batch_size} (µs; recording: medians "
+        "of 7 alternating pairs of 2,000 batches and their commit)"
     )
     for col in ("measured", "µs/batch"):
         t.add_column(col, justify="left" if col == "measured" else "right")
     t.add_row("SHA-256 of the batch (in the worker; main process at 0 workers)", f"{d['hash']:.1f}")
-    t.add_row("record a batch and commit, without digest (main process)", f"{d['record']:.1f}")
-    t.add_row("record a batch and commit, with digest (main process)", f"{d['record+digest']:.1f}")
+    t.add_row("record a batch and commit, without digest (process)", f"{d['record']:.1f}")
+    t.add_row("record a batch and commit, with digest (process)", f"{d['record+digest']:.1f}")
+    t.add_row("the digest's share of recording: the process (segment thread included)",
+              f"{d['extra']:.1f}")  # fmt: skip
+    t.add_row("the digest's share of recording: the main thread", f"{d['main']:.1f}")
     return t
 
 
@@ -823,8 +838,9 @@ def goals_table(
         row(name, r, ">= 0.90", r >= 0.90)
     for packed, us in sorted(stream_us.items()):
         row(bench_stream.main_thread_goal(packed), us, "<= 50", us <= 50)
-    extra = digest["record+digest"] - digest["record"]
-    row("digest: main-process µs per batch with workers (recording it)", extra, "<= 5", extra <= 5)
+    extra, main = digest["extra"], digest["main"]
+    row("digest: main-thread µs per batch with workers (recording it)", main, "<= 5", main <= 5)
+    row("digest: the same, the process's (+ segment encoding)", extra, "<= 5", extra <= 5)
     row("digest: µs per batch hashing it (main process at 0 workers)", digest["hash"], "<= 5",
         digest["hash"] <= 5)  # fmt: skip
     for nw in cfg.workers:
