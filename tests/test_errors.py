@@ -8,6 +8,7 @@ import re
 import sys
 
 import fsspec.registry  # noqa: F401  (the module, patched below)
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -424,6 +425,16 @@ def test_a_transform_giving_no_token_ids_is_named_before_it_is_packed(tmp_path, 
     stream = Stream(_stream_args(tmp_path), transform=lambda r, c: tokens, packer=Packer(seq_len=4))
     loader = ledger.DataLoader(stream, batch_size=1, seed=0, log=root)
     with pytest.raises(UnsupportedArgument, match=r"the transform gave sample 0 .* int token"):
+        list(take(loader, 1))
+
+
+@pytest.mark.parametrize("tokens", [[2**63 + 5], np.array([2**64 - 1, 1], np.uint64)])
+def test_a_token_id_beyond_int64_is_refused_not_wrapped(tmp_path, root, tokens):
+    """numpy holds a Python int in [2**63, 2**64) as uint64: cast to the packer's int64 it
+    would become a negative token without a word."""
+    stream = Stream(_stream_args(tmp_path), transform=lambda r, c: tokens, packer=Packer(seq_len=4))
+    loader = ledger.DataLoader(stream, batch_size=1, seed=0, log=root)
+    with pytest.raises(UnsupportedArgument, match="does not fit int64"):
         list(take(loader, 1))
 
 

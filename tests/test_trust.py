@@ -26,7 +26,7 @@ from conftest import Augmented, rewrite_run
 
 import ledger
 from ledger.audit import summarize
-from ledger.audit.checks import check, verify
+from ledger.audit.checks import CheckResult, check, verify
 from ledger.audit.queries import reconstruct, show, where
 from ledger.audit.scan import check_segment
 from ledger.cli import main
@@ -504,6 +504,45 @@ def test_row_group_digests_are_xxh3_and_a_run_s_older_sha256_ones_are_still_chec
     with pytest.raises(ConfigMismatch, match=r"s\.parquet row group 1"):
         source.read([5])
     assert sorted(os.listdir(old)) == ["0.sha256", "1.sha256"]
+
+
+def test_a_damaged_row_group_record_is_a_damaged_log_not_changed_data(tmp_path):
+    """A row-group digest record that holds no digest is the log's damage, named as such
+    by the source and by ``verify``; an empty one (written without fsync, so a power loss
+    can leave it so) is recorded again by the next read, and ``verify`` passes it."""
+    from ledger.store import Store
+    from ledger.stream import ShardedSource, Stream
+
+    path = tmp_path / "s.parquet"
+    pq.write_table(pa.table({"id": list(range(8))}), path, row_group_size=4)
+    root = tmp_path / "log"
+    loader = ledger.DataLoader(
+        Stream(ShardedSource(str(path)), shuffle_buffer=2), batch_size=2,
+        seed=0, log=str(root), collate_fn=lambda rows: [r["id"] for r in rows],
+    )  # fmt: skip
+    list(loader)
+    loader.state_dict()
+    folder = root / "data" / "rowgroups" / "shard=0"
+    recorded = (folder / "1.xxh3-128").read_text()
+    assert verify(str(root)).results[-1] == CheckResult(
+        "rowgroups", True, "2 row-group digest records hold digests"
+    )
+
+    (folder / "1.xxh3-128").write_text("")  # a power loss after an unsynced write
+    found = verify(str(root)).results[-1]
+    assert found.ok and "1 empty" in found.detail
+    source = ShardedSource(str(path))
+    source.record_digests(Store(str(root)))
+    assert source.read([5])[0]["id"] == 5
+    assert (folder / "1.xxh3-128").read_text() == recorded  # recorded again
+
+    (folder / "1.xxh3-128").write_text("not a digest\n")
+    found = verify(str(root)).results[-1]
+    assert not found.ok and "1.xxh3-128 does not hold a xxh3-128 digest" in found.detail
+    source = ShardedSource(str(path))
+    source.record_digests(Store(str(root)))
+    with pytest.raises(LogCorrupted, match=r"1\.xxh3-128 does not hold a xxh3-128 digest"):
+        source.read([5])
 
 
 def test_verify_names_each_damaged_segment_among_many(tmp_path):

@@ -37,6 +37,7 @@ from ledger.errors import LogCorrupted
 from ledger.history import read_history
 from ledger.segments import orphans
 from ledger.store import Store
+from ledger.stream.source import row_group_records
 
 if TYPE_CHECKING:  # imported where used: ``ledger verify`` needs none of them, and DuckDB,
     # pyarrow's datasets and pandas (which the views import) take ~0.5 s to import
@@ -335,7 +336,7 @@ class Verification:
     Attributes:
         results: one per check: ``markers``, ``chain``, ``segments``, ``duplicates``,
             ``orphans`` (orphans are reported, not failures: replay ignores them),
-            ``manifest``.
+            ``manifest``, and ``rowgroups`` for a log with row-group digest records.
         segments: segment files checked.
         events: rows in them.
         bytes: their total size (bytes).
@@ -421,6 +422,10 @@ def verify(root: str, progress: Progress | None = None) -> Verification:
       SHA-256 the marker names (hashed, not decoded), and the heads' manifests hold the
       rows of their markers' rank tables (decoded); every marker's lineage
       ranges extend its parent's; each attempt commits along one chain.
+    - ``rowgroups`` (a log with records of a stream's Parquet shards only): every
+      row-group digest record (``data/rowgroups/``) holds a digest of its algorithm (an
+      empty one, which a power loss can leave, is reported and passes: the next read
+      records it again).
 
     Args:
         root: the log root.
@@ -515,7 +520,28 @@ def _verify(store: Store, progress: Progress | None) -> Verification:
         )
     )
     results.append(_manifest(store, commits))
+    rowgroups = _row_group_records(store)
+    if rowgroups is not None:
+        results.append(rowgroups)
     return Verification(tuple(results), segments, events, nbytes)
+
+
+def _row_group_records(store: Store) -> CheckResult | None:
+    """The ``rowgroups`` check: every row-group digest record of a stream's shards holds
+    a digest (:func:`ledger.stream.source.row_group_records`); ``None`` for a log that
+    has none (no Parquet stream)."""
+    records, damaged, empty = row_group_records(store)
+    if not records:
+        return None
+    if damaged:
+        return CheckResult("rowgroups", False, f"{len(damaged)} bad: " + "; ".join(damaged[:3]))
+    detail = f"{records} row-group digest records hold digests"
+    if empty:
+        detail += (
+            f"; {len(empty)} empty (a power loss after an unsynced write; recorded again at "
+            f"the next read: {empty[0]}{' ...' if len(empty) > 1 else ''})"
+        )
+    return CheckResult("rowgroups", True, detail)
 
 
 def _manifest(store: Store, commits: list[Commit]) -> CheckResult:

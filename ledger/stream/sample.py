@@ -175,7 +175,16 @@ def token_ids(item: Any, sid: int) -> np.ndarray:
             f"the transform gave sample {sid} {_short(item)} ({type(item).__name__}, dtype "
             f"{tokens.dtype}): with a packer it must return a 1-D sequence of int token ids"
         )
+    # uint64 (numpy's type for a Python int in [2**63, 2**64)) would wrap to negative ids.
+    if tokens.dtype == np.uint64 and tokens.size and int(tokens.max()) > _INT64_MAX:
+        raise UnsupportedArgument(
+            f"the transform gave sample {sid} {_short(item)}: token id {int(tokens.max())} "
+            "does not fit int64, the packer's token type"
+        )
     return tokens.reshape(-1)
+
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def _short(value: Any) -> str:

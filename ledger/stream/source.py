@@ -45,7 +45,7 @@ with any changed byte of them. The digest guards against data that changed by mi
 not against a forger (who could rewrite the footer fingerprint as well). Runs begun
 before it recorded ``sha256`` digests; those are still checked with SHA-256."""
 
-_ROW_GROUP_HASHES: dict[str, Callable[[Any], Any]] = {
+_ROW_GROUP_HASHES: dict[str, Callable[..., Any]] = {
     ROW_GROUP_HASH: xxhash.xxh3_128,
     "sha256": hashlib.sha256,
 }
@@ -53,6 +53,54 @@ _ROW_GROUP_HASHES: dict[str, Callable[[Any], Any]] = {
 
 def _text(raw: bytes) -> str:
     return raw.decode(errors="replace").strip()
+
+
+def row_group_records(store: Store) -> tuple[int, list[str], list[str]]:
+    """Check every row-group digest record of a log (:meth:`ShardedSource.record_digests`:
+    ``data/rowgroups/[source=NAME/]shard=S/G.ALGORITHM``), for ``ledger verify``.
+
+    Returns:
+        ``(records, damaged, empty)``: how many records there are; one problem per record
+        that holds anything but a hex digest of its algorithm's length (a damaged log
+        file); and the empty ones (written without fsync, a power loss can leave one
+        empty: the next read of that row group records it again).
+    """
+    rels = [
+        rel
+        for pattern in ("data/rowgroups/shard=*/*", "data/rowgroups/source=*/shard=*/*")
+        for rel in store.glob(pattern)
+        if rel.rpartition(".")[2] in _ROW_GROUP_HASHES
+    ]
+    damaged: list[str] = []
+    empty: list[str] = []
+    for rel, raw in zip(rels, store.read_many(rels), strict=True):
+        if raw is None:
+            continue  # removed since the listing
+        if not raw:
+            empty.append(store.full(rel))
+            continue
+        try:
+            _recorded_digest(store, rel, raw, rel.rpartition(".")[2])
+        except LogCorrupted as e:
+            damaged.append(str(e))
+    return len(rels), damaged, empty
+
+
+def _recorded_digest(store: Store, rel: str, raw: bytes, algorithm: str) -> str:
+    """The hex digest a row group's record file holds.
+
+    Raises:
+        LogCorrupted: naming the file, if it holds anything but a hex digest of
+            ``algorithm``'s length (a damaged log file, not changed data).
+    """
+    text = _text(raw)
+    width = 2 * _ROW_GROUP_HASHES[algorithm]().digest_size
+    if len(text) != width or text.strip("0123456789abcdef"):
+        raise LogCorrupted(
+            f"{store.full(rel)} does not hold a {algorithm} digest ({width} hex digits) but "
+            f"{text[:40]!r}: the log's record of that row group is damaged"
+        )
+    return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,10 +428,17 @@ class ShardedSource:
         (its :data:`ROW_GROUP_HASH` digest) if this is the run's first read of it."""
         base = f"{self._digests_under}/shard={shard}/{g}"
         for algorithm in _ROW_GROUP_HASHES:  # the current one, then the older one
+            rel = f"{base}.{algorithm}"
             try:
-                return algorithm, _text(store.read_bytes(f"{base}.{algorithm}"))
+                raw = store.read_bytes(rel)
             except FileNotFoundError:
                 continue
+            if not raw and algorithm == ROW_GROUP_HASH:
+                # Written without fsync (cheap to write again): a power loss can leave the
+                # file empty. This read's digest is then the record, as on a first read.
+                store.write_atomic(rel, found.encode())
+                return algorithm, found
+            return algorithm, _recorded_digest(store, rel, raw, algorithm)
         try:
             store.create_exclusive(f"{base}.{ROW_GROUP_HASH}", found.encode(), durable=False)
             return ROW_GROUP_HASH, found
