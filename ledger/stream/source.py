@@ -433,11 +433,11 @@ class ShardedSource:
                 raw = store.read_bytes(rel)
             except FileNotFoundError:
                 continue
-            if not raw and algorithm == ROW_GROUP_HASH:
+            if not raw:
                 # Written without fsync (cheap to write again): a power loss can leave the
                 # file empty. This read's digest is then the record, as on a first read.
-                store.write_atomic(rel, found.encode())
-                return algorithm, found
+                store.write_atomic(f"{base}.{ROW_GROUP_HASH}", found.encode())
+                return ROW_GROUP_HASH, found
             return algorithm, _recorded_digest(store, rel, raw, algorithm)
         try:
             store.create_exclusive(f"{base}.{ROW_GROUP_HASH}", found.encode(), durable=False)
