@@ -19,6 +19,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -433,7 +434,7 @@ def where_command(
     columns = [f.name for f in dataclasses.fields(type(h.consumptions[0]))] if rows else []
     if fmt in ("json", "ndjson"):
         indent = 2 if fmt == "json" else None
-        click.echo(json.dumps(dataclasses.asdict(h), indent=indent))
+        click.echo(_dumps(dataclasses.asdict(h), indent=indent))
         return
     if fmt == "csv":
         _print_rows(columns or ["attempt"], iter(rows), fmt)
@@ -487,9 +488,10 @@ def _check_sample(root: str, sample_id: int, source: str | None) -> None:
         )
 
 
-def _load_object(spec: str, kwargs: str | None) -> Any:
-    """``MODULE:NAME`` or ``path/file.py:NAME``; a function or class is called with
-    ``kwargs`` (a JSON object)."""
+def _load_object(spec: str, kwargs: str | None, *, construct: bool = True) -> Any:
+    """``MODULE:NAME`` or ``path/file.py:NAME``; with ``construct``, a function or class is
+    called with ``kwargs`` (a JSON object): a dataset's factory. Without, the object as it
+    is (a collate function)."""
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise click.BadParameter(f"{spec!r} is not MODULE:NAME or FILE.py:NAME")
@@ -508,15 +510,69 @@ def _load_object(spec: str, kwargs: str | None) -> Any:
             obj = getattr(obj, part)
     except (ImportError, AttributeError, OSError) as e:
         raise click.BadParameter(f"cannot load {spec}: {e}") from e
-    if inspect.isfunction(obj) or inspect.isclass(obj):
+    if construct and (inspect.isfunction(obj) or inspect.isclass(obj)):
         try:
             args = json.loads(kwargs) if kwargs else {}
         except json.JSONDecodeError as e:
             raise click.BadParameter(f"--dataset-kwargs is not JSON: {e}") from e
         if not isinstance(args, dict):
             raise click.BadParameter("--dataset-kwargs must be a JSON object")
-        return obj(**args)
+        try:
+            return obj(**args)
+        except Exception as e:  # the user's constructor: a missing or misspelt argument
+            raise click.BadParameter(
+                f"{spec}(**{args!r}) raised {type(e).__name__}: {_one_line(str(e))}"
+                + ("" if args else " (pass its arguments with --dataset-kwargs)")
+            ) from e
     return obj
+
+
+def _dataset_and_collate(
+    dataset: str, dataset_kwargs: str | None, collate: str | None
+) -> tuple[Any, Any]:
+    """The objects ``--dataset`` and ``--collate`` name, checked for what re-creating a
+    batch calls on them.
+
+    Raises:
+        click.BadParameter: naming the option, if the dataset is neither a map-style
+            dataset (``__len__`` and ``__getitem__``), a :class:`ledger.Mixture` nor a
+            :class:`ledger.stream.Stream`, or the collate function is not callable.
+    """
+    from ledger.stream import Stream
+
+    ds = _load_object(dataset, dataset_kwargs)
+    mapped = hasattr(ds, "__len__") and hasattr(ds, "__getitem__") and not inspect.ismodule(ds)
+    if not (mapped or isinstance(ds, Stream)):
+        raise click.BadParameter(
+            f"{dataset} gave {type(ds).__name__}, not a dataset: a map-style dataset "
+            "(__len__ and __getitem__), a ledger.Mixture or a ledger.stream.Stream, as the "
+            "run's loader was given",
+            param_hint="'--dataset'",
+        )
+    collate_fn = _load_object(collate, None, construct=False) if collate else None
+    if collate_fn is not None and not callable(collate_fn):
+        raise click.BadParameter(
+            f"{collate} is {type(collate_fn).__name__}, not callable", param_hint="'--collate'"
+        )
+    return ds, collate_fn
+
+
+@contextlib.contextmanager
+def _user_code(what: str) -> Iterator[None]:
+    """Report an exception of the user's dataset or collate function (re-creating
+    batches runs them) as one ``Error:`` line that says whose it is, not as a bug of
+    ledger's. ``LEDGER_DEBUG=1`` shows the traceback."""
+    try:
+        yield
+    except (LedgerError, click.ClickException):
+        raise
+    except Exception as e:
+        if os.environ.get("LEDGER_DEBUG") == "1":
+            raise
+        raise click.ClickException(
+            f"{what}: the dataset or collate function raised {type(e).__name__}: "
+            f"{_one_line(str(e))} (is it the run's? LEDGER_DEBUG=1 shows the traceback)"
+        ) from e
 
 
 @main.command("show")
@@ -580,9 +636,8 @@ def show_command(
     made = None
     if materialize:
         assert dataset is not None
-        ds = _load_object(dataset, dataset_kwargs)
-        collate_fn = _load_object(collate, None) if collate else None
-        with _progress(f"re-creating batch {batch}"):
+        ds, collate_fn = _dataset_and_collate(dataset, dataset_kwargs, collate)
+        with _progress(f"re-creating batch {batch}"), _user_code(f"re-creating batch {batch}"):
             made = materialize_batch(root, batch, ds, rank=rank, collate_fn=collate_fn, head=head)
         record = made.record
     else:
@@ -610,7 +665,7 @@ def show_command(
         if made is not None:
             out["materialized_digest"] = made.digest
             out["matches"] = made.matches
-        click.echo(json.dumps(out, indent=2 if fmt == "json" else None))
+        click.echo(_dumps(out, indent=2 if fmt == "json" else None))
     elif fmt == "csv":
         _print_rows(columns, iter(zip(*events.to_pydict().values(), strict=True)), fmt)
     else:
@@ -768,9 +823,8 @@ def verify_command(
     results = list(v.results)
     if data and v.ok:
         assert dataset is not None
-        ds = _load_object(dataset, dataset_kwargs)
-        collate_fn = _load_object(collate, None) if collate else None
-        with _progress("re-creating batches") as progress:
+        ds, collate_fn = _dataset_and_collate(dataset, dataset_kwargs, collate)
+        with _progress("re-creating batches") as progress, _user_code("re-creating batches"):
             results.append(
                 verify_data(root, ds, batches=span, rank=rank, collate_fn=collate_fn,
                             progress=progress)
@@ -872,12 +926,31 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _dumps(value: Any, indent: int | None = None) -> str:
+    """``value`` as JSON that other programs parse: a float that is not finite (DuckDB
+    answers ``x / 0`` with ``inf``, ``0.0 / 0`` with ``NaN``) is ``null``, as JSON has no
+    NaN or Infinity; values JSON has no type for are :func:`_jsonable`'s."""
+    return json.dumps(_finite(value), indent=indent, default=_jsonable, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, datetime.datetime):
         return _iso(value)
     if isinstance(value, (datetime.date, datetime.time)):
         return value.isoformat()
     if isinstance(value, decimal.Decimal):
+        if not value.is_finite():
+            return None
         return int(value) if value == value.to_integral_value() else float(value)
     if isinstance(value, bytes):
         return value.hex()
@@ -906,10 +979,10 @@ def _print_rows(
         writer.writerows(_with_iso_times(rows))
     elif fmt == "ndjson":
         for row in rows:
-            out.write(json.dumps(dict(zip(columns, row, strict=True)), default=_jsonable) + "\n")
+            out.write(_dumps(dict(zip(columns, row, strict=True))) + "\n")
     elif fmt == "json":
         objects = [dict(zip(columns, row, strict=True)) for row in rows]
-        out.write(json.dumps(objects, indent=2, default=_jsonable) + "\n")
+        out.write(_dumps(objects, indent=2) + "\n")
     else:
         _print_table(columns, rows, max_rows, out)
 
@@ -999,7 +1072,7 @@ def _print_summary(s: Summary, fmt: str, mixture: MixtureSummary | None = None) 
         out = dataclasses.asdict(s)
         if mixture is not None:  # only mixture runs have the key
             out["mixture"] = dataclasses.asdict(mixture)
-        click.echo(json.dumps(out, indent=indent))
+        click.echo(_dumps(out, indent=indent))
         return
     if fmt == "csv":
         raise click.ClickException(

@@ -538,7 +538,8 @@ def claim_attempt(
     Returns:
         The attempt number: one more than the largest existing one (0 for a new run).
     """
-    existing = [int(n[: -len(".json")]) for n in store.ls("attempts") if ATTEMPT_NAME.match(n)]
+    names = store.ls("attempts", files=True)
+    existing = [int(n[: -len(".json")]) for n in names if ATTEMPT_NAME.match(n)]
     attempt = max(existing, default=-1) + 1
     while True:
         record: dict[str, Any] = {
@@ -1098,7 +1099,8 @@ def parse_marker_v1(store: Store, cid: str, data: dict[str, Any]) -> Commit:
 def commit_ids(store: Store) -> list[str]:
     """Ids of every commit marker under the root, sorted (by step, then attempt); lists
     the ``commits/`` directory, reads no marker."""
-    return [name[: -len(".json")] for name in store.ls("commits") if COMMIT_NAME.match(name)]
+    names = store.ls("commits", files=True)
+    return [name[: -len(".json")] for name in names if COMMIT_NAME.match(name)]
 
 
 def resolve_commit(store: Store, text: str) -> str:
@@ -1401,7 +1403,7 @@ def list_commits(store: Store, *, catalog: bool = True) -> list[Commit]:
 
         known = catalogued(store)
     with no_cycles():
-        names = _commit_names(store.ls("commits"))
+        names = _commit_names(store.ls("commits", files=True))
         read = iter(read_commits(store, [cid for cid in names if cid not in known]))
         out = [known.get(cid) or next(read) for cid in names]
     out.sort(key=operator.attrgetter("attempt", "step"))

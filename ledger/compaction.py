@@ -289,7 +289,7 @@ def list_compactions(store: Store) -> list[Compaction]:
     key = ("compactions", store.uri)
     if cache is not None and key in cache:
         return list(cache[key])
-    names = [n for n in store.ls("compactions") if n.endswith(".json")]
+    names = [n for n in store.ls("compactions", files=True) if n.endswith(".json")]
     found = [read_compaction(store, n[: -len(".json")]) for n in names]
     found.sort(key=lambda c: (c.created_at, c.id))
     if cache is not None:

@@ -292,7 +292,7 @@ def read_history(store: Store) -> History | None:
     catalogs = background("catalog").submit(
         contextvars.copy_context().run, catalog_tables, store, HISTORY_COLUMNS
     )
-    rest = _marker_names(store.ls("commits", ordered=False))
+    rest = _marker_names(store.ls("commits", ordered=False, files=True))
     for table in catalogs.result():
         if not len(rest):
             break

@@ -24,6 +24,7 @@ same probe key; a 412 on the second means the server enforces the condition.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob as globlib
 import hashlib
 import os
@@ -78,6 +79,9 @@ def _read_local(path: str) -> bytes:
     finally:
         os.close(fd)
 
+
+_NO_FILE = (errno.EISDIR, errno.ELOOP)
+"""Errors of reading a path that holds no file: a folder, a loop of symbolic links."""
 
 _BACKGROUND: dict[str, tuple[int, ThreadPoolExecutor]] = {}
 
@@ -240,7 +244,8 @@ class Store:
         """Whole contents of ``rel``.
 
         Raises:
-            FileNotFoundError: if it does not exist.
+            FileNotFoundError: if it does not exist, or is no file (a directory, a loop of
+                symbolic links: no file holds the record there).
             StorageError: if reading fails otherwise.
         """
         try:
@@ -249,6 +254,10 @@ class Store:
             return bytes(self.fs.cat_file(self.full(rel)))
         except FileNotFoundError:
             raise
+        except OSError as e:
+            if e.errno in _NO_FILE:
+                raise FileNotFoundError(e.errno, f"{self.full(rel)} is not a file: {e}") from e
+            raise self._error(f"could not read {self.full(rel)}", e) from e
         except Exception as e:
             raise self._error(f"could not read {self.full(rel)}", e) from e
 
@@ -341,13 +350,15 @@ class Store:
             return data
         return self.read_bytes(rel)
 
-    def ls(self, rel_dir: str, *, ordered: bool = True) -> list[str]:
+    def ls(self, rel_dir: str, *, ordered: bool = True, files: bool = False) -> list[str]:
         """Names (not paths) directly under ``rel_dir``, sorted; empty if it is missing.
 
         Args:
             rel_dir: the folder, relative to the root.
             ordered: ``False``: in the order the storage lists them (a caller that sorts
                 what it keeps saves sorting the 10^4 names of ``commits/``).
+            files: only files (and links to files): a stray folder named like a record
+                is not one (what the readers of records list).
 
         Raises:
             StorageError: if listing fails.
@@ -355,17 +366,22 @@ class Store:
         arrange = sorted if ordered else list
         if self.is_local:
             try:
+                if files:
+                    with os.scandir(self._os_path(rel_dir)) as listing:
+                        return arrange([e.name for e in listing if e.is_file()])
                 return arrange(os.listdir(self._os_path(rel_dir)))
             except (FileNotFoundError, NotADirectoryError):
                 pass  # fsspec's answers for these (empty; a file lists as itself)
             except OSError as e:
                 raise self._error(f"could not list {self.full(rel_dir)}", e) from e
         try:
-            entries = self.fs.ls(self.full(rel_dir), detail=False, **self._fresh())
+            entries = self.fs.ls(self.full(rel_dir), detail=files, **self._fresh())
         except FileNotFoundError:
             return []
         except Exception as e:
             raise self._error(f"could not list {self.full(rel_dir)}", e) from e
+        if files:
+            entries = [e["name"] for e in entries if e.get("type") == "file"]
         return arrange(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def glob(self, pattern: str) -> list[str]:
@@ -691,7 +707,8 @@ class Files:
         storage_options: passed to the fsspec filesystem.
 
     Raises:
-        FileNotFoundError: if a URI or glob matches no file.
+        FileNotFoundError: if a URI is no file, or a glob matches no file (the folders a
+            glob matches are left out).
     """
 
     def __init__(
@@ -706,9 +723,19 @@ class Files:
         paths: list[str] = []
         for url in items:
             _, path = fsspec.core.url_to_fs(str(url), **self.storage_options)
-            found = sorted(fs.glob(path)) if fsspec.core.has_magic(path) else [path]
-            if not found or not all(fs.isfile(p) for p in found):
-                raise FileNotFoundError(f"{url} matches no data file")
+            if not fsspec.core.has_magic(path):
+                if not fs.isfile(path):
+                    what = "a folder" if fs.isdir(path) else "missing"
+                    raise FileNotFoundError(f"{url} is {what}, not a data file")
+                paths.append(path)
+                continue
+            matched = sorted(fs.glob(path))
+            # A glob's data files; a folder it also matches (a Spark job's _temporary/) is
+            # not one.
+            found = [p for p in matched if fs.isfile(p)]
+            if not found:
+                folders = f" (only folders: {', '.join(matched[:3])})" if matched else ""
+                raise FileNotFoundError(f"{url} matches no data file{folders}")
             paths.extend(found)
         self.paths = sorted(set(paths))
 

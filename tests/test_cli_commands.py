@@ -276,6 +276,82 @@ def test_show_materialize_needs_a_dataset(root: str) -> None:
     assert "--materialize needs --dataset" in result.stderr
 
 
+class _Raises(Augmented):
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        raise KeyError(f"row {i} is missing")
+
+
+def _no_dataset() -> None:
+    return None
+
+
+_NOT_CALLABLE = 3
+
+
+def _ids_only(batch: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """A collate function of the run's own (``--collate`` names it as it is)."""
+    return torch.stack([sample["id"] for sample in batch])
+
+
+def test_show_materialize_with_the_runs_collate_function(tmp_path: Path) -> None:
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(Augmented(20), batch_size=4, log=root, collate_fn=_ids_only)
+    received = list(loader)
+    loader.state_dict()
+    result = run(
+        "show", root, "--batch", "1", "--materialize", "--dataset", f"{__file__}:Augmented",
+        "--dataset-kwargs", '{"n": 20}', "--collate", f"{__file__}:_ids_only", "--format", "json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.stdout)
+    assert got["matches"] is True and got["digest"] == batch_digest(received[1])
+
+
+@pytest.mark.parametrize(
+    ("extra", "code", "said"),
+    [
+        (["--dataset", "{here}:Augmented"], 2, "Augmented(**{}) raised TypeError"),
+        (["--dataset", "{here}:_no_dataset"], 2, "gave NoneType, not a dataset"),
+        (["--dataset", "os:path"], 2, "gave module, not a dataset"),
+        (
+            ["--dataset", "{here}:Augmented", "--dataset-kwargs", '{"n": 20}', "--collate",
+             "{here}:_NOT_CALLABLE"],
+            2, "_NOT_CALLABLE is int, not callable",
+        ),
+        (
+            ["--dataset", "{here}:_Raises", "--dataset-kwargs", '{"n": 20}'],
+            1, "re-creating batch 0: the dataset or collate function raised KeyError",
+        ),
+    ],
+)  # fmt: skip
+def test_show_materialize_names_the_users_mistake(tmp_path: Path, extra, code, said) -> None:
+    """What the user's ``--dataset`` or ``--collate`` gets wrong is said as theirs (a usage
+    error, or an ``Error:`` naming the dataset's exception), not as a bug of ledger's."""
+    root = str(tmp_path / "log")
+    loader = ledger.DataLoader(Augmented(20), batch_size=4, log=root)
+    list(loader)
+    loader.state_dict()
+    args = [a.replace("{here}", __file__) for a in extra]
+    result = run("show", root, "--batch", "0", "--materialize", *args)
+    assert result.exit_code == code, result.output
+    assert said in result.stderr
+    assert "a bug in ledger" not in result.stderr
+
+
+def test_json_output_has_no_nan_or_infinity(root: str) -> None:
+    """JSON has no NaN or Infinity: DuckDB's ``x / 0`` and ``0.0 / 0`` are ``null``."""
+    query = "SELECT 1.0 / 0 AS inf, 0.0 / 0 AS nan, 2.5 AS fine, [1.0 / 0, 1.0] AS listed"
+    for fmt in ("json", "ndjson"):
+        result = run("audit", root, "--format", fmt, "--sql", query)
+        assert result.exit_code == 0, result.output
+        rows = (
+            [json.loads(line) for line in result.stdout.splitlines()]
+            if fmt == "ndjson"
+            else (json.loads(result.stdout))
+        )
+        assert rows == [{"inf": None, "nan": None, "fine": 2.5, "listed": [None, 1.0]}]
+
+
 # ---------------------------------------------------------------- reconstruct
 
 

@@ -358,6 +358,24 @@ def test_changed_num_workers_serves_each_sample_once_per_epoch(shards, root, pac
 def test_missing_source_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="matches no data file"):
         ShardedSource(str(tmp_path / "*.parquet"))
+    (tmp_path / "_temporary").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"matches no data file \(only folders"):
+        ShardedSource(str(tmp_path / "*"))
+    with pytest.raises(FileNotFoundError, match="_temporary is a folder, not a data file"):
+        ShardedSource(str(tmp_path / "_temporary"))
+
+
+def test_a_glob_leaves_out_folders_and_an_empty_jsonl_shard_has_no_rows(tmp_path):
+    """A glob over a job's output folder takes its data files, not its ``_temporary/``;
+    a 0-byte JSONL shard is a shard of 0 rows, as a 0-row Parquet shard is."""
+    pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "a.parquet")
+    (tmp_path / "b.jsonl").write_text('{"text": "c"}\n')
+    (tmp_path / "c.jsonl").write_bytes(b"")
+    (tmp_path / "_temporary").mkdir()
+    source = ShardedSource(str(tmp_path / "*"))
+    assert [os.path.basename(f.path) for f in source.infos] == ["a.parquet", "b.jsonl", "c.jsonl"]
+    assert [f.rows for f in source.infos] == [2, 1, 0]
+    assert [r["text"] for r in source.read([0, 1, 2])] == ["a", "b", "c"]
 
 
 def test_stream_rejects_drop_last(shards, root):

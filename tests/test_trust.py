@@ -184,6 +184,9 @@ def test_stray_files_break_nothing(pristine, tmp_path):
     ):  # fmt: skip
         os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
         Path(root, rel).write_text("not ledger's")
+    # Folders named like records (a stray copy, an unpacked archive) are not records.
+    for rel in ("commits/000000000050-0000.json", "attempts/0007.json", "compactions/x.json"):
+        os.makedirs(os.path.join(root, rel))
     for args in (
         ["audit"],
         ["verify"],
@@ -200,6 +203,22 @@ def test_stray_files_break_nothing(pristine, tmp_path):
     loader.load_state_dict(token)
     assert len(list(take(loader, 2))) == 2
     assert sorted(os.listdir(os.path.join(root, "attempts")))[:2] == ["0000.json", "0001.json"]
+
+
+def test_a_segment_replaced_by_a_folder_is_a_missing_segment(pristine, tmp_path):
+    """A folder (or a loop of links) where a segment should be holds no segment: the
+    checks fail naming it (exit 3), and readers raise ``LogCorrupted``, as for a missing
+    file, not a storage error."""
+    root = str(tmp_path / "log")
+    shutil.copytree(pristine, root)
+    seg = os.path.join(root, FILES["segment"])
+    os.remove(seg)
+    os.makedirs(seg)
+    result = _cli("verify", root, "--format", "csv")
+    assert result.exit_code == 3, result.output
+    assert "seg-000000000004.parquet (commit 000000000004-0000) is missing" in result.output
+    with pytest.raises(LogCorrupted, match=r"seg-000000000004\.parquet.* is missing"):
+        summarize(root)
 
 
 def test_run_json_without_config_is_named(pristine, tmp_path):

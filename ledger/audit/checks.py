@@ -375,7 +375,7 @@ def _check_attempts(store: Store, commits: list[Commit]) -> list[str]:
     problems = []
     recorded: set[int] = set()
     digest = run_digest(store)
-    for name in store.ls("attempts"):
+    for name in store.ls("attempts", files=True):
         if not ATTEMPT_NAME.match(name):
             continue  # a stray file, ignored by every reader
         try:

@@ -178,7 +178,7 @@ def mixture_sources(store: Store, source: str | None) -> dict[str, int | None] |
         return None
     sources: dict[str, int | None] = {}
     mixtures = [config["mixture"]]
-    for name in store.ls("attempts"):
+    for name in store.ls("attempts", files=True):
         if not ATTEMPT_NAME.match(name):
             continue  # a stray file, as the attempts view ignores it
         try:

@@ -583,7 +583,7 @@ def _check_segments_exist(
     def absent(path: str) -> bool:
         folder, _, name = path.rpartition("/")
         if folder not in listed:
-            listed[folder] = set(store.ls(folder))
+            listed[folder] = set(store.ls(folder, files=True))
         return name not in listed[folder]
 
     own = np.flatnonzero(at < 0)
@@ -667,7 +667,7 @@ def _attempts_table(store: Store) -> pa.Table:
     """Attempt records; files under ``attempts/`` that are not named ``<A>.json`` are
     ignored (a stray file never breaks a command)."""
     rows = []
-    for name in store.ls("attempts"):
+    for name in store.ls("attempts", files=True):
         if not ATTEMPT_NAME.match(name):
             continue
         try:

@@ -162,7 +162,9 @@ def _with_eos(item: Any, eos: int, sid: int) -> np.ndarray:
 
 
 def token_ids(item: Any, sid: int) -> np.ndarray:
-    """A transform's item as the token ids a packer takes: integers, flattened.
+    """A transform's item as the token ids a packer takes: integers, flattened (a nested
+    sequence, such as one token list per word or a tokenizer's batch of one, is its
+    tokens in order).
 
     Raises:
         UnsupportedArgument: naming the sample, if the item is not a sequence of
@@ -173,7 +175,7 @@ def token_ids(item: Any, sid: int) -> np.ndarray:
     if tokens.dtype.kind not in "iu" and tokens.size:
         raise UnsupportedArgument(
             f"the transform gave sample {sid} {_short(item)} ({type(item).__name__}, dtype "
-            f"{tokens.dtype}): with a packer it must return a 1-D sequence of int token ids"
+            f"{tokens.dtype}): with a packer it must return a sequence of int token ids"
         )
     # uint64 (numpy's type for a Python int in [2**63, 2**64)) would wrap to negative ids.
     if tokens.dtype == np.uint64 and tokens.size and int(tokens.max()) > _INT64_MAX:

@@ -509,7 +509,7 @@ class ShardedSource:
         ends = np.flatnonzero(buf == ord("\n")) + 1
         if len(data) and data[-1:] != b"\n":
             ends = np.append(ends, len(data))
-        starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)[: ends.size]  # 0 B: none
         # Blank lines are not rows.
         keep = np.array(
             [data[s:e].strip() != b"" for s, e in zip(starts, ends, strict=True)], dtype=bool

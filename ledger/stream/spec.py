@@ -26,7 +26,8 @@ class Stream:
     Args:
         source: the rows.
         transform: ``f(record: dict, ctx: SampleContext) -> item`` applied to each row as
-            it is read; with a packer the item must be a 1-D sequence of int token ids.
+            it is read; with a packer the item must be a sequence of int token ids (a nested
+            one is flattened: one token list per word is the sample's tokens in order).
         shuffle_buffer: shuffle buffer size per logical worker (rows); 0: no buffer.
         packer: pack items into fixed-length token sequences, or ``None``.
     """
