@@ -67,18 +67,25 @@ def test_state_dict_then_close_keeps_what_was_committed(root):
     assert [b["id"].tolist() for b in take(resumed, 2)] == [b["id"].tolist() for b in expected[2:]]
 
 
+def _serving(root, before, persistent):
+    """A 2-worker loader that served one batch: ``(loader, its iterator, its workers)``
+    (``before``: the children this process had already)."""
+    loader = ledger.DataLoader(
+        Augmented(64), batch_size=4, log=root, num_workers=2, persistent_workers=persistent
+    )
+    it = iter(loader)
+    next(it)
+    workers = _children() - before
+    assert len(workers) >= 2
+    return loader, it, workers
+
+
 @pytest.mark.parametrize("how", ["del", "close"])
 def test_persistent_workers_end_with_the_loader(root, how):
     gc.disable()  # a reference cycle would keep the workers until a collection
     before = _children()  # other tests' servers (rclone) may be children of this process
     try:
-        loader = ledger.DataLoader(
-            Augmented(64), batch_size=4, log=root, num_workers=2, persistent_workers=True
-        )
-        it = iter(loader)
-        next(it)
-        workers = _children() - before
-        assert len(workers) >= 2
+        loader, it, workers = _serving(root, before, persistent=True)
         if how == "close":
             loader.close()
         del it, loader
@@ -152,14 +159,7 @@ def test_a_loader_whose_iteration_raised_is_freed_at_del(root, persistent):
 def test_close_ends_a_live_iterator_and_its_workers(root, persistent):
     """A live iterator's next batch after close() is an error naming the closed loader
     (not the end of the epoch), and its workers end in close()."""
-    before = _children()
-    loader = ledger.DataLoader(
-        Augmented(64), batch_size=4, log=root, num_workers=2, persistent_workers=persistent
-    )
-    it = iter(loader)
-    next(it)
-    workers = _children() - before
-    assert len(workers) >= 2
+    loader, it, workers = _serving(root, _children(), persistent)
     loader.close()
     assert _wait_until_gone(workers, 10) == set()
     with pytest.raises(LedgerError, match="closed"):
