@@ -513,7 +513,7 @@ class DataLoader:
                         raise _stopped_early(self._state) from e.__cause__
                     raise
                 if item is None:
-                    self._check_open()  # workers close() shut down end torch's iterator
+                    self._check_open()  # close() shut the workers down: torch's iterator ended
                     break
                 tag, data = item
                 self._check_generation(generation)
