@@ -469,3 +469,37 @@ def test_a_packed_sample_holds_nothing_the_garbage_collector_tracks(item):
         assert not gc.is_tracked(held), type(held)
         held = getattr(held, "base", None)
     assert tokens.tolist() == [*np.asarray(item).reshape(-1).tolist(), 9]
+
+
+def test_materialize_refuses_a_dataset_of_another_kind_or_packer(tmp_path):
+    """Re-creating a batch with a dataset that is not the run's kind, or a Stream with
+    another packer, is refused naming the difference (it failed deep in a collate
+    function, or gave another batch)."""
+    from ledger.audit.queries import materialize
+    from ledger.errors import UnsupportedArgument
+
+    pq.write_table(pa.table({"text": [f"row {i} " + "x" * (i % 7) for i in range(30)]}),
+                   tmp_path / "s.parquet")  # fmt: skip
+
+    def tokens(row, ctx):
+        return np.frombuffer(row["text"].encode(), np.uint8).astype(np.int64)
+
+    def stream(packed):
+        packer = Packer(seq_len=16) if packed else None
+        return Stream(ShardedSource(str(tmp_path / "s.parquet")), transform=tokens, packer=packer)
+
+    packed = str(tmp_path / "packed")
+    loader = ledger.DataLoader(stream(True), batch_size=2, seed=1, log=packed)
+    list(take(loader, 3))
+    loader.state_dict()
+    assert materialize(packed, 1, stream(True)).matches
+    with pytest.raises(ConfigMismatch, match="packer"):
+        materialize(packed, 1, stream(False))
+    with pytest.raises(UnsupportedArgument, match=r"Stream, and a map-style"):
+        materialize(packed, 1, list(range(30)))
+    mapped = str(tmp_path / "map")
+    loader = ledger.DataLoader(list(range(30)), batch_size=2, seed=1, log=mapped)
+    list(take(loader, 3))
+    loader.state_dict()
+    with pytest.raises(UnsupportedArgument, match=r"map-style dataset, and a ledger\.stream"):
+        materialize(mapped, 1, stream(False))

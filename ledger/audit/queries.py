@@ -36,6 +36,7 @@ from ledger.commits import (
 from ledger.errors import (
     BatchSkipped,
     CommitNotFound,
+    ConfigMismatch,
     LedgerError,
     SourceMissing,
     UnsupportedArgument,
@@ -483,6 +484,42 @@ class Materialized:
 
 
 @parsing_once
+def _check_dataset_kind(store: Store, config: dict[str, Any], dataset: Any) -> None:
+    """Refuse a dataset that is not of the run's kind, before re-creating a batch with it:
+    a map-style dataset for a stream's run, a Stream for a map-style run, or a Stream
+    whose source, shuffle buffer or packer differ from the run's (``run.json``), which
+    would fail deep in a collate function or give another batch.
+
+    Raises:
+        UnsupportedArgument: for the other kind.
+        ConfigMismatch: naming the Stream's first differing field.
+    """
+    from ledger.mixture import Mixture
+    from ledger.stream.spec import Stream
+
+    if isinstance(dataset, Mixture) or "mixture" in config:
+        return  # a mixture's sources are checked by name as its batch is re-created
+    streamed = "source" in config  # a stream's run records its shards' fingerprints
+    if isinstance(dataset, Stream) != streamed:
+        given = "a ledger.stream.Stream" if isinstance(dataset, Stream) else "a map-style dataset"
+        ran = "a ledger.stream.Stream" if streamed else "a map-style dataset"
+        raise UnsupportedArgument(
+            f"the run in {store.uri} read {ran}, and {given} was given: pass the dataset "
+            "the run trained on"
+        )
+    if not streamed:
+        return
+    mine = dataset.config()
+    for field in ("shuffle_buffer", "packer"):
+        if mine[field] != config.get(field):
+            raise ConfigMismatch(
+                field, config.get(field), mine[field],
+                f"The run's Stream had {field}={config.get(field)!r}: pass the Stream the "
+                "run trained on.",
+            )  # fmt: skip
+    dataset.source.check(config.get("source", []))
+
+
 def materialize(
     root: str,
     batch: int,
@@ -519,6 +556,10 @@ def materialize(
         BatchSkipped: if the batch was skipped on purpose (the model never saw it).
         LedgerError: if the dataset's length differs from the run's, or a mixture of
             streams' log predates the ``source_epoch`` column.
+        UnsupportedArgument: if the run read a Stream and ``dataset`` is not one, or the
+            other way round.
+        ConfigMismatch: if the Stream's source, shuffle buffer or packer differs from the
+            run's (named).
         SourceMissing: if the batch holds a sample of a mixture source the given mixture
             does not have (a later phase removed it).
     """
@@ -542,6 +583,7 @@ def materialize(
             f"batch {batch} of rank {rank} was skipped ({record.skip_reason}): the model "
             "never saw it, there is nothing to re-create"
         )
+    _check_dataset_kind(store, config, dataset)
     if isinstance(dataset, Mixture) and dataset.streams:
         data = rebuild_mixed_batch(
             dataset, seed, record.events, rng == "sample", collate, seed_maps=rng != "off"
